@@ -1,0 +1,118 @@
+"""Buckets: the unit that flows. An ordered group of named tensors plus its digest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+import xxhash
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Bare torch name ("bfloat16"), the form every engine protocol uses."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """xxh3-128 over names, dtypes, shapes and bytes: equal digests mean bit-equal tensors."""
+    h = xxhash.xxh3_128()
+    for name, t in named:
+        h.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver must know to rebuild one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> "TensorSpec":
+        return cls(name, dtype_name(t.dtype), tuple(t.shape))
+
+
+@dataclass
+class Bucket:
+    """An ordered group of named tensors of at most `bucket_bytes` (one oversized tensor travels
+    alone). `last` marks the final bucket of a sync."""
+
+    index: int
+    tensors: list[tuple[str, torch.Tensor]]
+    last: bool = False
+    _digest: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.tensors]
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec.of(n, t) for n, t in self.tensors]
+
+    def digest(self) -> str:
+        """Computed once, then cached: the sender hashes each bucket exactly one time."""
+        if self._digest is None:
+            self._digest = digest_tensors(self.tensors)
+        return self._digest
+
+    def with_tensors(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> "Bucket":
+        return Bucket(self.index, list(tensors), self.last)

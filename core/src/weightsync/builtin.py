@@ -1,0 +1,31 @@
+"""Core's own components, registered through the same hooks as any plugin."""
+
+from __future__ import annotations
+
+from .hookspecs import hookimpl
+
+
+@hookimpl
+def register_exporters(register):  # noqa: ANN001, ANN201
+    from .exporters.torch import TorchExporter
+    register(TorchExporter)
+
+
+@hookimpl
+def register_encodings(register):  # noqa: ANN001, ANN201
+    from .encodings.cast import CastEncoding
+    from .encodings.raw import RawEncoding
+    register(RawEncoding)
+    register(CastEncoding)
+
+
+@hookimpl
+def register_transports(register):  # noqa: ANN001, ANN201
+    from .transports.http import HttpTransport
+    register(HttpTransport)
+
+
+@hookimpl
+def register_adapters(register):  # noqa: ANN001, ANN201
+    from .adapters.reference import ReferenceAdapter
+    register(ReferenceAdapter)

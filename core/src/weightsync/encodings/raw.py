@@ -1,0 +1,41 @@
+"""Encoding `raw`: the bucket's tensors, unchanged, in safetensors layout."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..bucket import Bucket
+from ..interfaces import Alloc, Encoding, Payload
+from ..wire import pack, packed_size, unpack
+
+
+def pack_bucket(name: str, bucket: Bucket, alloc: Alloc | None = None,
+                cast: torch.dtype | None = None) -> Payload:
+    """Shared by encodings whose wire form is the target tensors themselves. With `alloc` the
+    bytes are written straight into the transport's buffer (shared memory, pinned memory). The
+    digest is taken over the packed tensors, i.e. exactly what the engine must end with."""
+    out = alloc(packed_size(bucket.tensors, cast=cast)) if alloc is not None else None
+    body = pack(bucket.tensors, out=out, cast=cast)
+    views = dict(unpack(body)[0])
+    target = bucket.with_tensors([(n, views[n]) for n in bucket.names])
+    if cast is None:
+        bucket._digest = target.digest()
+    return Payload(bucket.index, bucket.last, name, target.digest(), target.specs(), body)
+
+
+def unpack_payload(payload: Payload) -> list[tuple[str, torch.Tensor]]:
+    named, _ = unpack(payload.body)
+    return named
+
+
+class RawEncoding(Encoding):
+    name = "raw"
+
+    def encode(self, bucket: Bucket, alloc: Alloc | None = None) -> Payload:
+        return pack_bucket(self.name, bucket, alloc)
+
+    def decode(self, payload: Payload, current: Callable[[str], torch.Tensor | None]
+               ) -> list[tuple[str, torch.Tensor]]:
+        return unpack_payload(payload)

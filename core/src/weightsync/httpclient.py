@@ -1,0 +1,65 @@
+"""One place for talking HTTP to engines: bearer keys, timeouts, and errors that name the engine
+and carry the engine's own message."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import requests
+
+from .errors import EngineError, EngineUnavailable
+
+
+class Parts:
+    """Several byte buffers sent as one body with a Content-Length, without joining them."""
+
+    def __init__(self, parts: Iterable[bytes | memoryview]) -> None:
+        self.parts = [memoryview(p).cast("B") for p in parts]
+
+    def __len__(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.parts)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def error_text(resp: requests.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip()[:2000] or resp.reason
+    if isinstance(body, dict):
+        for key in ("error", "message", "detail"):
+            if body.get(key):
+                v = body[key]
+                return v if isinstance(v, str) else str(v)
+    return str(body)[:2000]
+
+
+def call(session: requests.Session, engine: str, method: str, url: str, *, timeout: float,
+         ok: Iterable[int] = (200,), **kwargs: Any) -> requests.Response:
+    """Send one request; raise EngineUnavailable when nobody answers, EngineError on a refusal."""
+    try:
+        resp = session.request(method, url, timeout=timeout, **kwargs)
+    except requests.Timeout:
+        raise EngineUnavailable(engine, f"{method} {url} got no answer within {timeout:g}s") from None
+    except requests.ConnectionError as e:
+        raise EngineUnavailable(engine, f"{method} {url} failed: cannot connect ({type(e).__name__}); "
+                                        f"is the engine running at that address?") from None
+    if resp.status_code not in ok:
+        raise EngineError(engine, f"{method} {url} -> HTTP {resp.status_code}: {error_text(resp)}")
+    return resp
+
+
+def json_of(resp: requests.Response, engine: str) -> Any:
+    if not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        raise EngineError(engine, f"{resp.request.method} {resp.url} answered non-JSON: "
+                                  f"{resp.text[:200]!r}") from None

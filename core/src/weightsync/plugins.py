@@ -1,0 +1,131 @@
+"""The plugin manager: built-ins and entry-point plugins go through the same four hooks."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .hookspecs import PROJECT
+from .interfaces import Adapter, Encoding, Exporter, Transport
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PLUGINS = ("weightsync.builtin",)
+
+
+def _env_list(name: str) -> set[str] | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    return {v.strip() for v in value.split(",") if v.strip()}
+
+
+@dataclass
+class Components:
+    """The four registries, filled once by calling the registration hooks."""
+
+    pm: pluggy.PluginManager
+    failed: dict[str, str]
+    exporters: Registry[Exporter] = field(init=False)
+    encodings: Registry[Encoding] = field(init=False)
+    transports: Registry[Transport] = field(init=False)
+    adapters: Registry[Adapter] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.exporters = Registry("exporter", Exporter, self.failed)
+        self.encodings = Registry("encoding", Encoding, self.failed)
+        self.transports = Registry("transport", Transport, self.failed)
+        self.adapters = Registry("adapter", Adapter, self.failed)
+        self.pm.hook.register_exporters(register=self.exporters.add)
+        self.pm.hook.register_encodings(register=self.encodings.add)
+        self.pm.hook.register_transports(register=self.transports.add)
+        self.pm.hook.register_adapters(register=self.adapters.add)
+
+    def registry(self, kind: str) -> Registry[Any]:
+        return {"exporter": self.exporters, "encoding": self.encodings,
+                "transport": self.transports, "adapter": self.adapters}[kind]
+
+
+def _load_entrypoints(pm: pluggy.PluginManager, failed: dict[str, str], only: set[str] | None) -> None:
+    for ep in importlib.metadata.entry_points(group=PROJECT):
+        if only is not None and ep.name not in only:
+            continue
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as err:  # a broken plugin must not take the whole sync down
+            log.warning("weightsync plugin %r failed to import: %r", ep.name, err)
+            failed[ep.name] = repr(err)
+            continue
+        pm.register(plugin, name=ep.name)
+        pm._plugin_distinfo.append((plugin, ep.dist))  # what pluggy's own loader records
+
+
+def make_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager:
+    """A fresh manager. `WEIGHTSYNC_PLUGINS=a,b` loads only those entry points ("" loads none);
+    `WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD` loads none; `WEIGHTSYNC_TRACE_PLUGINS` prints hook calls."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.failed_plugins = {}  # type: ignore[attr-defined]
+    if load_entrypoints and os.environ.get("WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD") is None:
+        _load_entrypoints(pm, pm.failed_plugins, _env_list("WEIGHTSYNC_PLUGINS"))  # type: ignore[attr-defined]
+    for modname in DEFAULT_PLUGINS:
+        pm.register(importlib.import_module(modname), name=modname)
+    pm.check_pending()
+    if os.environ.get("WEIGHTSYNC_TRACE_PLUGINS"):
+        def before(hook_name, impls, kwargs):  # noqa: ANN001
+            print(f"weightsync: {hook_name} -> {[i.plugin_name for i in impls]}", file=sys.stderr)
+
+        def after(outcome, hook_name, impls, kwargs):  # noqa: ANN001
+            pass
+        pm.add_hookcall_monitoring(before, after)
+    return pm
+
+
+def load_components(pm: pluggy.PluginManager | None = None) -> Components:
+    pm = pm or make_plugin_manager()
+    return Components(pm, getattr(pm, "failed_plugins", {}))
+
+
+def describe_plugins(components: Components) -> list[dict[str, Any]]:
+    """What `weightsync plugins` prints: each plugin, its distribution, hooks and components."""
+    dists = {id(p): d for p, d in components.pm.list_plugin_distributions()}
+    by_module: dict[str, list[str]] = {}
+    for kind in ("exporter", "encoding", "transport", "adapter"):
+        for name, cls in components.registry(kind).items():
+            by_module.setdefault(cls.__module__.split(".")[0], []).append(f"{kind}:{name}")
+    out = []
+    for name, plugin in components.pm.list_name_plugin():
+        dist = dists.get(id(plugin))
+        top = getattr(plugin, "__name__", "").split(".")[0]
+        if name in DEFAULT_PLUGINS:
+            dist_name, version = "weightsync-core", _version("weightsync-core")
+            comps = by_module.get("weightsync", [])
+        else:
+            dist_name = dist.metadata["name"] if dist else None
+            version = dist.version if dist else None
+            comps = by_module.get(top, [])
+        hooks = sorted(h.name for h in components.pm.get_hookcallers(plugin) or [])
+        out.append({"name": name, "distribution": dist_name, "version": version,
+                    "hooks": hooks, "components": sorted(comps)})
+    for name, err in sorted(components.failed.items()):
+        out.append({"name": name, "distribution": None, "version": None, "hooks": [],
+                    "components": [], "error": err})
+    return out
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None

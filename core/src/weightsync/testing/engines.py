@@ -1,0 +1,113 @@
+"""Reference engines as real separate processes, for tests, the demo and the contract kit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import requests
+from safetensors.torch import load
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """`weightsync serve` in a child process; start, kill -9, restart on the same port."""
+
+    def __init__(self, model_dir: str | Path, *, port: int | None = None, api_key: str | None = None,
+                 name: str | None = None, log: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.model_dir = str(model_dir)
+        self.port = port or free_port()
+        self.api_key = api_key
+        self.name = name or f"127.0.0.1:{self.port}"
+        self.log = log
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self._log_fh: IO | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spec(self) -> dict:
+        d = {"url": self.url, "name": self.name}
+        if self.api_key:
+            d["api_key"] = self.api_key
+        return d
+
+    def start(self, timeout: float = 60.0) -> "EngineProcess":
+        cmd = [sys.executable, "-m", "weightsync", "serve", "--model", self.model_dir,
+               "--port", str(self.port), "--name", self.name]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        out = subprocess.DEVNULL
+        if self.log is not None:
+            self._log_fh = open(self.log, "ab")
+            out = self._log_fh
+        env = {**os.environ, **(self.env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited with {self.proc.returncode} during start"
+                                   + (f"; see {self.log}" if self.log else ""))
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"engine {self.name} did not answer /health within {timeout}s")
+
+    def kill(self) -> None:
+        """SIGKILL: the engine dies wherever it is, as a crashed replica would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._log_fh:
+            self._log_fh.close()
+            self._log_fh = None
+
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        r = requests.get(self.url + "/weights", params={"name": names or []}, headers=self._headers(), timeout=60)
+        r.raise_for_status()
+        return load(r.content)
+
+    def health(self) -> dict:
+        return requests.get(self.url + "/health", timeout=5).json()
+
+    def generate(self, ids: list[int], n: int) -> dict:
+        r = requests.post(self.url + "/generate", json={"input_ids": ids, "max_new_tokens": n},
+                          headers=self._headers(), timeout=120)
+        r.raise_for_status()
+        return r.json()
+
+    def __enter__(self) -> "EngineProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

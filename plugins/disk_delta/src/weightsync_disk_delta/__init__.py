@@ -1,0 +1,1 @@
+"""weightsync-disk-delta: see README.md."""

@@ -1,0 +1,1 @@
+"""weightsync-lmdeploy: see README.md."""

@@ -1,0 +1,1 @@
+"""weightsync-sglang: see README.md."""

@@ -1,0 +1,1 @@
+"""weightsync-vllm: see README.md."""
