@@ -138,6 +138,9 @@ class Transport(Component):
 
     requires: ClassVar[str] = "http"
     same_host: ClassVar[bool] = False
+    publish_only: ClassVar[bool] = False
+    """True for transports that publish for receivers to pull (disk_delta): the pipeline then
+    pauses no engine and verifies nothing itself; the pullers check every digest."""
     receiver: ClassVar[type[TransportReceiver] | None] = None
 
     def open(self, engines: Sequence["Adapter"], version: int) -> dict[str, BaseException]:
@@ -156,7 +159,7 @@ class Transport(Component):
     """Set by transports that want payloads written into their own buffers (shared memory)."""
 
     def close(self) -> None:
-        """Release everything the transport holds; called once per sync and at shutdown."""
+        """Release everything the transport holds (groups, segments); called at shutdown."""
 
 
 @dataclass
@@ -172,6 +175,10 @@ class Adapter(Component):
     capabilities: ClassVar[frozenset[str]] = frozenset()
     encodings: ClassVar[frozenset[str] | None] = None   # None: weightsync's receiver decodes any
     pause_modes: ClassVar[tuple[str, ...]] = ("abort", "keep")
+    layout: ClassVar[str] = "safetensors"
+    """What a group broadcast carries for this engine: "safetensors" (the whole payload body) or
+    "flat" (only its data section: tensor bytes back to back, largest itemsize first, which is
+    SGLang's flattened_bucket layout)."""
 
     def __init__(self, options: BaseModel | None = None, engine: "EngineSpec | None" = None) -> None:
         super().__init__(options)
@@ -219,8 +226,19 @@ class Adapter(Component):
     def announce(self, header: Mapping[str, Any]) -> None:
         raise NotImplementedError(f"adapter {self.name!r} cannot announce out-of-band payloads")
 
+    def group_size(self) -> int:
+        """Ranks this engine contributes to a collective group (its TP size)."""
+        return 1
+
     def join_group(self, info: Mapping[str, Any]) -> None:
+        """Blocking: the engine joins the trainer's group. `info` is SGLang's init body:
+        master_address, master_port, rank_offset, world_size, group_name, backend."""
         raise NotImplementedError(f"adapter {self.name!r} cannot join a collective group")
+
+    def load_from_disk(self, path: str, version: int) -> None:
+        """Capability "disk": reload every weight from a local safetensors checkpoint directory
+        and set `version` (disk_delta's pull agent calls this)."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot reload from disk")
 
     def leave_group(self, info: Mapping[str, Any]) -> None:
         """Best effort: ask the engine to destroy the group."""

@@ -144,6 +144,8 @@ class WeightSync:
             finally:
                 stage_t[stage] = stage_t.get(stage, 0.0) + time.perf_counter() - t0
 
+        if self.transport.publish_only:
+            return self._publish(model, version, name_map, report, timed, t_start, stage_t)
         active = list(self.adapters)
         with timed("health"):
             statuses, fails = self._each(active, lambda a: a.health())
@@ -187,6 +189,28 @@ class WeightSync:
             if self.settings.failure_policy == "raise" or not committed:
                 raise SyncError(msg, report)
             log.warning(msg)
+        return report
+
+    def _publish(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,
+                 timed: Callable[[str], Any], t_start: float, stage_t: dict[str, float]) -> SyncReport:
+        """Publish-only transports: no engine is paused or told anything; receivers pull."""
+        self.encoding.begin(version)
+        try:
+            with timed("open"):
+                self.transport.open([], version)
+            self._stream(model, name_map, report, [], timed, publish=True)
+            with timed("finish"):
+                fails = self.transport.finish([])
+            if fails:
+                raise SyncError(f"publishing version {version} failed: {fails}", report)
+        except BaseException:
+            self.encoding.rollback()
+            raise
+        finally:
+            report.seconds = {**stage_t, "total": time.perf_counter() - t_start}
+        self.encoding.commit(version)
+        self.last_version = version
+        report.verified = True   # digests are in the published manifest; pullers check them
         return report
 
     def _transfer(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,
@@ -234,7 +258,7 @@ class WeightSync:
             self.encoding.rollback()
 
     def _stream(self, model: Any, name_map: NameMap | None, report: SyncReport,
-                active: list[Adapter], timed: Callable[[str], Any]) -> list[Adapter]:
+                active: list[Adapter], timed: Callable[[str], Any], publish: bool = False) -> list[Adapter]:
         """Export and encode bucket i+1 on a worker thread while bucket i is being sent; at most
         `max_inflight_buckets` payloads exist at once."""
         slots = threading.Semaphore(self.settings.max_inflight_buckets)
@@ -281,7 +305,7 @@ class WeightSync:
                     changed += int(payload.meta["changed_elements"])
                     elements += sum(s.numel for s in payload.specs)
                     report.density = changed / max(1, elements)
-                if active:
+                if active or publish:
                     with timed("send"):
                         fails = self.transport.send(payload, active)
                     active = self._drop(report, active, fails, "send", begun=True)

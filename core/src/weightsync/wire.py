@@ -33,13 +33,15 @@ def _itemsize(dtype: torch.dtype) -> int:
 def safetensors_layout(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
                        cast: torch.dtype | None = None) -> tuple[bytes, list[tuple[str, torch.Tensor, int, torch.dtype]]]:
     """The header bytes (length prefix included) and (name, tensor, data offset, dtype) per tensor.
-    Largest itemsize first, so every offset stays aligned to its dtype without padding."""
+    Largest itemsize first, so every offset stays aligned to its dtype without padding; tensors of
+    one dtype are contiguous (engines that take one dtype per buffer slice runs out of it)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = metadata
     placed = []
     off = 0
-    for name, t in sorted(named, key=lambda nt: -_itemsize(target_dtype(nt[1], cast))):
+    for name, t in sorted(named, key=lambda nt: (-_itemsize(target_dtype(nt[1], cast)),
+                                                  dtype_name(target_dtype(nt[1], cast)))):
         dt = target_dtype(t, cast)
         n = t.numel() * _itemsize(dt)
         header[name] = {"dtype": _ST_DTYPES[dtype_name(dt)], "shape": list(t.shape),
