@@ -1,0 +1,102 @@
+"""Process groups outside the default world, built the way SGLang's `init_custom_process_group`
+(after OpenRLHF) builds them: a TCPStore, a PrefixStore named after the group, and
+`_new_process_group_helper`. Keeping the recipe identical is what lets an SGLang or LMDeploy
+engine join a group the trainer made with weightsync, and weightsync's own receivers join it too."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    """One live process group and the store it rendezvoused through."""
+
+    name: str
+    pg: Any
+    store: Any
+    rank: int
+    world_size: int
+    backend: str
+
+    def destroy(self) -> None:
+        """Best effort: release the backend's sockets/communicators and forget the group."""
+        destroy_group(self.pg)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def make_store(address: str, port: int, world_size: int, is_master: bool, timeout: float) -> Any:
+    """The rendezvous store. The master never waits for workers here: the group creation does,
+    with the same timeout, so a rank that never shows up is an error, not a hang."""
+    from torch.distributed import TCPStore
+    return TCPStore(address, port, world_size, is_master=is_master,
+                    timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def new_group(store: Any, group_name: str, rank: int, world_size: int, backend: str,
+              timeout: float) -> Any:
+    """`init_custom_process_group(store=PrefixStore(group_name, store), ...)`: returns the group.
+    Blocks until every rank joined, or raises after `timeout` seconds."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    prefixed = PrefixStore(group_name, store)
+    kw: dict[str, Any] = {"backend_options": None}
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), prefixed,
+                                      group_name=group_name, timeout=datetime.timedelta(seconds=timeout),
+                                      **kw)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    if backend == "gloo":
+        # gloo connects lazily on first use in some torch versions; a barrier makes "joined" mean
+        # "every rank is connected" on both sides, so a missing rank surfaces here, not mid-sync.
+        pg.barrier().wait()
+    return pg
+
+
+def destroy_group(pg: Any) -> None:
+    """Forget a group made by `new_group` without touching the default world (there may be
+    none). Errors are logged: a group whose peer died cannot always shut down cleanly."""
+    from torch.distributed.distributed_c10d import _world
+    try:
+        for attr in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_coalesce_state"):
+            m = getattr(_world, attr, None)
+            if isinstance(m, dict):
+                m.pop(pg, None)
+        tags = getattr(_world, "tags_to_pg", None)
+        if isinstance(tags, dict):
+            for v in tags.values():
+                if pg in v:
+                    v.remove(pg)
+        pg_to_tag = getattr(_world, "pg_to_tag", None)
+        if isinstance(pg_to_tag, dict):
+            pg_to_tag.pop(pg, None)
+    except Exception as e:  # noqa: BLE001 - bookkeeping only
+        log.debug("process group bookkeeping cleanup failed: %s", e)
+    try:
+        if hasattr(pg, "shutdown"):
+            pg.shutdown()
+    except Exception as e:  # noqa: BLE001 - a dead peer makes shutdown fail; the group is gone anyway
+        log.debug("process group shutdown failed: %s", e)
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, timeout: float) -> None:
+    """Rank 0 -> every rank, in place. Raises if a peer died or the timeout passed."""
+    from torch.distributed import BroadcastOptions
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    opts.timeout = datetime.timedelta(seconds=timeout)
+    work = pg.broadcast([tensor], opts)
+    work.wait(datetime.timedelta(seconds=timeout))
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
