@@ -23,6 +23,8 @@ def register_encodings(register):  # noqa: ANN001, ANN201
 def register_transports(register):  # noqa: ANN001, ANN201
     from .transports.http import HttpTransport
     register(HttpTransport)
+    from .transports.collective import CollectiveTransport
+    register(CollectiveTransport)
 
 
 @hookimpl

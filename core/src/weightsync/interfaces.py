@@ -102,12 +102,22 @@ class Encoding(Component):
     def rollback(self) -> None:
         """The sync failed; forget anything staged for it."""
 
+    def receiving(self, engine_version: int) -> None:
+        """Receiver side, before any decode: the version the engine holds now, so an encoding
+        whose payloads are made against a base version (delta) can refuse any other base."""
+
+
+Render = Callable[[dict[str, Any], torch.Tensor], tuple[list[Any], str]]
+
 
 @dataclass
 class Endpoint:
     url: str
     headers: dict[str, str] = field(default_factory=dict)
     timeout: float = 60.0
+    render: Render | None = None
+    """Builds (body parts, content type) from the payload header and body, for an engine route
+    that takes another body than weightsync's frame (vLLM's JSON /update_weights); None: the frame."""
 
 
 class TransportReceiver(abc.ABC):

@@ -15,6 +15,7 @@ import pluggy
 from . import hookspecs
 from .hookspecs import PROJECT
 from .interfaces import Adapter, Encoding, Exporter, Transport
+from .errors import PluginError
 from .registry import Registry
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,23 @@ class Components:
         self.encodings = Registry("encoding", Encoding, self.failed)
         self.transports = Registry("transport", Transport, self.failed)
         self.adapters = Registry("adapter", Adapter, self.failed)
-        self.pm.hook.register_exporters(register=self.exporters.add)
-        self.pm.hook.register_encodings(register=self.encodings.add)
-        self.pm.hook.register_transports(register=self.transports.add)
-        self.pm.hook.register_adapters(register=self.adapters.add)
+        for hook, registry in (("register_exporters", self.exporters),
+                               ("register_encodings", self.encodings),
+                               ("register_transports", self.transports),
+                               ("register_adapters", self.adapters)):
+            self._call(hook, registry)
+
+    def _call(self, hook: str, registry: Registry[Any]) -> None:
+        """Each plugin's hook separately: one that raises is recorded as failed (a warning) and
+        the others still register; a duplicate name stays an error."""
+        for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
+            try:
+                impl.function(register=registry.add)
+            except PluginError:
+                raise
+            except Exception as err:
+                log.warning("weightsync plugin %r failed in %s: %r", impl.plugin_name, hook, err)
+                self.failed[impl.plugin_name] = f"{hook}: {err!r}"
 
     def registry(self, kind: str) -> Registry[Any]:
         return {"exporter": self.exporters, "encoding": self.encodings,

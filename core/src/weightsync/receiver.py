@@ -79,6 +79,8 @@ class ReceiveSession:
         tr_ref = ComponentRef.model_validate(plan["transport"])
         enc_cls = components.encodings.get(enc_ref.kind)
         self.encoding = enc_cls(build_options(enc_cls, enc_ref, "encoding"))
+        if plan.get("engine_version") is not None:
+            self.encoding.receiving(int(plan["engine_version"]))
         tr_cls = components.transports.get(tr_ref.kind)
         if tr_cls.receiver is None:
             raise PayloadError(f"transport {tr_ref.kind!r} has no receiving half for this engine")

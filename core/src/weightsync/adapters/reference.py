@@ -22,7 +22,7 @@ class ReferenceOptions(BaseModel):
 class ReferenceAdapter(Adapter):
     name = "reference"
     Options = ReferenceOptions
-    capabilities = frozenset({"http", "announce", "group"})
+    capabilities = frozenset({"http", "announce", "group", "disk"})
     encodings = None
     pause_modes = ("abort", "keep")
 
@@ -74,6 +74,10 @@ class ReferenceAdapter(Adapter):
 
     def join_group(self, info: Mapping[str, Any]) -> None:
         self._post("/weightsync/join", dict(info), timeout=self.options.payload_timeout)
+
+    def load_from_disk(self, path: str, version: int) -> None:
+        self._post("/weightsync/load_from_disk", {"path": str(path), "version": int(version)},
+                   timeout=self.options.payload_timeout)
 
     def close(self) -> None:
         self.session.close()

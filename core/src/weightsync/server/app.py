@@ -13,6 +13,7 @@
   POST /weightsync/end              -> {"digests": {index: digest}}
   POST /weightsync/commit           {"version": v}
   POST /weightsync/abort
+  POST /weightsync/load_from_disk   {"path": DIR, "version": v}: reload every *.safetensors in DIR
 """
 
 from __future__ import annotations
@@ -195,6 +196,14 @@ def _abort(h: Handler, q: dict, _: Any) -> Any:
     h.read_body()
     h.engine.abort()
     return {"version": h.engine.version}
+
+
+@route("POST", "/weightsync/load_from_disk")
+def _load_from_disk(h: Handler, q: dict, _: Any) -> Any:
+    body = _json_body(h)
+    if "path" not in body or "version" not in body:
+        raise PayloadError('load_from_disk needs {"path": DIR, "version": v}')
+    return {"version": h.engine.load_from_disk(str(body["path"]), int(body["version"]))}
 
 
 def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0,

@@ -53,12 +53,15 @@ class HttpTransport(Transport):
 
     def _post(self, adapter: Adapter, payload: Payload) -> None:
         ep = adapter.payload_endpoint()
-        parts = frame(payload.header(), payload.body)
+        if ep.render is not None:
+            parts, ctype = ep.render(payload.header(), payload.body)
+        else:
+            parts, ctype = frame(payload.header(), payload.body), "application/octet-stream"
         for attempt in range(self.options.retries + 1):
             try:
                 call(self._session(adapter.engine_name), adapter.engine_name, "POST", ep.url,
                      timeout=min(ep.timeout, self.options.timeout), data=Parts(parts),
-                     headers={**ep.headers, "Content-Type": "application/octet-stream"})
+                     headers={**ep.headers, "Content-Type": ctype})
                 return
             except Exception as e:
                 from ..errors import EngineUnavailable

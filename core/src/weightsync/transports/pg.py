@@ -27,8 +27,9 @@ class Group:
     backend: str
 
     def destroy(self) -> None:
-        """Best effort: release the backend's sockets/communicators and forget the group."""
-        destroy_group(self.pg)
+        """Best effort: forget the group and release the backend's sockets/communicators."""
+        forget(self.pg)
+        shutdown(self.pg)
 
 
 def default_backend() -> str:
@@ -63,9 +64,9 @@ def new_group(store: Any, group_name: str, rank: int, world_size: int, backend: 
     return pg
 
 
-def destroy_group(pg: Any) -> None:
-    """Forget a group made by `new_group` without touching the default world (there may be
-    none). Errors are logged: a group whose peer died cannot always shut down cleanly."""
+def forget(pg: Any) -> None:
+    """Drop a group made by `new_group` from torch's bookkeeping without touching the default
+    world (there may be none), so its name can never clash with a later group."""
     from torch.distributed.distributed_c10d import _world
     try:
         for attr in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_coalesce_state"):
@@ -82,6 +83,11 @@ def destroy_group(pg: Any) -> None:
             pg_to_tag.pop(pg, None)
     except Exception as e:  # noqa: BLE001 - bookkeeping only
         log.debug("process group bookkeeping cleanup failed: %s", e)
+
+
+def shutdown(pg: Any) -> None:
+    """Release sockets/communicators. Errors are logged: a group whose peer died cannot always
+    shut down cleanly, and it may block, so callers run this on a spare thread."""
     try:
         if hasattr(pg, "shutdown"):
             pg.shutdown()

@@ -1,0 +1,405 @@
+"""Transport `collective`: a torch.distributed broadcast from the trainer (rank 0) to every engine
+rank, for disaggregated clusters. The group is SGLang's `init_custom_process_group` recipe (TCP
+store + PrefixStore(group name) + a gloo or nccl group), so SGLang and LMDeploy engines join it
+through their own HTTP routes and weightsync's receivers join it the same way.
+
+Contract (fixed in COLLECTIVE_SPEC): one broadcast per bucket of flattened bytes, never one per
+tensor; what is broadcast depends on the engines' `Adapter.layout` ("safetensors": the whole
+body; "flat": its data section; "flat_per_dtype": one broadcast per run of one dtype). For every
+broadcast each engine's `announce(header)` runs on its own thread while rank 0 broadcasts.
+
+Why the failure handling looks the way it does: a gloo broadcast to a peer that died fails at
+rank 0 at once, but the surviving ranks wait for data that never comes. So when a broadcast fails
+the transport asks every engine for its health, drops the dead ones, rebuilds the group for the
+survivors under a new group name (a stale rank can never join it) and broadcasts the same bytes
+again. An engine that never joins makes the group creation time out after `timeout` seconds: the
+engines that did not answer are dropped and the group is built once more without them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..bucket import dtype_from_name
+from ..errors import ConfigError, PayloadError, WeightSyncError
+from ..interfaces import Adapter, Payload, Transport, TransportReceiver
+from . import pg as pgs
+
+log = logging.getLogger(__name__)
+LAYOUTS = ("safetensors", "flat", "flat_per_dtype")
+
+
+class CollectiveOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    master_address: str = Field("127.0.0.1", description="address engines reach the trainer's store at")
+    master_port: int = Field(0, ge=0, le=65535, description="store port; 0 picks a free one")
+    group_name: str = Field("weightsync", min_length=1, description="prefix of the group's name")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl when CUDA is available, else gloo")
+    timeout: float = Field(120.0, gt=0, description="seconds a join or one broadcast may take")
+
+
+# -- receiving side ---------------------------------------------------------------------------
+_BUILDS = itertools.count(1)
+_GROUPS: dict[str, tuple[pgs.Group, threading.Lock]] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def _forget_groups() -> None:
+    """Leave every group this process is in (a process follows one trainer at a time)."""
+    with _GROUPS_LOCK:
+        old = [g for g, _ in _GROUPS.values()]
+        _GROUPS.clear()
+    for g in old:
+        pgs.forget(g.pg)
+        # a group whose peer died may block in shutdown: never on the caller's thread
+        threading.Thread(target=pgs.shutdown, args=(g.pg,), daemon=True, name="ws-pg-destroy").start()
+
+
+class CollectiveReceiver(TransportReceiver):
+    """Joins the trainer's group (per process: the group outlives one update round, because a
+    new round does not rebuild it) and receives one broadcast per announce."""
+
+    def join(self, info: Mapping[str, Any]) -> None:
+        try:
+            name = str(info["group_name"])
+            rank = int(info["rank_offset"])            # + local TP rank: the reference engine has 1
+            world = int(info["world_size"])
+            backend = str(info.get("backend") or "gloo")
+            address, port = str(info["master_address"]), int(info["master_port"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise PayloadError(f"group info is malformed ({e}); expected master_address, "
+                               f"master_port, rank_offset, world_size, group_name, backend") from None
+        if not 0 < rank < world:
+            raise PayloadError(f"rank_offset {rank} is outside 1..{world - 1} for world_size {world}")
+        timeout = self.options.timeout
+        _forget_groups()
+        store = pgs.make_store(address, port, world, False, timeout)
+        try:
+            pg = pgs.new_group(store, name, rank, world, backend, timeout)
+        except Exception as e:
+            raise WeightSyncError(f"could not join group {name!r} at {address}:{port} as rank "
+                                  f"{rank} of {world} within {timeout}s: {e}") from None
+        with _GROUPS_LOCK:
+            _GROUPS[name] = (pgs.Group(name, pg, store, rank, world, backend), threading.Lock())
+
+    def receive(self, header: Mapping[str, Any], body: memoryview | None) -> torch.Tensor:
+        tr = header.get("transport") or {}
+        name = tr.get("group_name")
+        layout = tr.get("layout", "safetensors")
+        if layout != "safetensors":
+            raise PayloadError(f"weightsync's receiver takes layout 'safetensors', not {layout!r}")
+        with _GROUPS_LOCK:
+            entry = _GROUPS.get(name)
+        if entry is None:
+            raise PayloadError(f"this engine is not in group {name!r}; the trainer must make it "
+                               f"join (/weightsync/join) before announcing broadcasts")
+        group, lock = entry
+        nbytes = int(tr["nbytes"])
+        device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with lock:      # broadcasts on one group must be issued in the sender's order
+            pgs.broadcast(group.pg, buf, self.options.timeout)
+        return buf
+
+
+# -- sending side -----------------------------------------------------------------------------
+@dataclass
+class _Piece:
+    """One broadcast: a tensor and the transport fields of its announce header."""
+
+    tensor: torch.Tensor
+    fields: dict[str, Any]
+
+
+@dataclass
+class _Call:
+    """An engine call running on its own thread."""
+
+    thread: threading.Thread
+    error: list[BaseException] = field(default_factory=list)
+
+    def done(self, timeout: float | None = None) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+def _spawn(fn: Any, *args: Any) -> _Call:
+    call = _Call(threading.Thread(target=lambda: None))
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - collected by the caller
+            call.error.append(e)
+
+    call.thread = threading.Thread(target=run, daemon=True, name="ws-collective")
+    call.thread.start()
+    return call
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def body_layout(body: torch.Tensor) -> tuple[int, list[tuple[str, str, list[int], int, int]]]:
+    """Start of the data section and (name, dtype, shape, start, end) per tensor in wire order,
+    read from the payload's own safetensors header."""
+    from ..wire import _ST_NAMES
+    head = body[:8].cpu().numpy().tobytes()
+    (hlen,) = struct.unpack("<Q", head)
+    meta = json.loads(body[8: 8 + hlen].cpu().numpy().tobytes())
+    meta.pop("__metadata__", None)
+    out = [(n, _ST_NAMES[v["dtype"]], list(v["shape"]), int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+           for n, v in meta.items()]
+    return 8 + hlen, out
+
+
+def split_payload(body: torch.Tensor, layout: str) -> list[tuple[torch.Tensor, str, list[dict[str, Any]]]]:
+    """(tensor to broadcast, its dtype name, tensors it carries) for one payload and layout."""
+    start, tensors = body_layout(body)
+    specs = [{"name": n, "dtype": d, "shape": s} for n, d, s, _, _ in tensors]
+    if layout == "safetensors":
+        return [(body, "uint8", specs)]
+    data = body[start:]
+    if layout == "flat":
+        return [(data, "uint8", specs)]
+    runs: list[tuple[torch.Tensor, str, list[dict[str, Any]]]] = []
+    i = 0
+    while i < len(tensors):
+        j = i
+        while j < len(tensors) and tensors[j][1] == tensors[i][1]:
+            j += 1
+        a, b = tensors[i][3], tensors[j - 1][4]
+        dt = tensors[i][1]
+        runs.append((data[a:b].view(dtype_from_name(dt)), dt, specs[i:j]))
+        i = j
+    return runs
+
+
+class CollectiveTransport(Transport):
+    name = "collective"
+    Options = CollectiveOptions
+    requires = "group"
+    receiver = CollectiveReceiver
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        super().__init__(options)
+        self.group: pgs.Group | None = None
+        self.infos: dict[str, dict[str, Any]] = {}
+        self.key: tuple | None = None
+        self.backend = self.options.backend if self.options.backend != "auto" else pgs.default_backend()
+        self.pending: list[tuple[dict[str, _Call], int]] = []   # announces of the previous broadcast
+        self._members: dict[str, Adapter] = {}
+
+    # -- group lifecycle ------------------------------------------------------------------
+    @staticmethod
+    def _layout(engines: Sequence[Adapter]) -> str:
+        layouts = {a.layout for a in engines}
+        if len(layouts) > 1:
+            raise ConfigError(f"engines in one collective group must share a broadcast layout, got "
+                              f"{sorted(layouts)}; run engines of different kinds in separate syncs")
+        layout = next(iter(layouts), "safetensors")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"adapter layout {layout!r} is unknown to transport 'collective'; "
+                              f"known: {list(LAYOUTS)}")
+        return layout
+
+    def _destroy(self) -> None:
+        if self.group is None:
+            return
+        for a in self._members.values():
+            try:
+                a.leave_group(self.infos.get(a.engine_name, {}))
+            except Exception as e:  # noqa: BLE001 - best effort by contract
+                log.debug("engine %s did not leave group: %s", a.engine_name, e)
+        g, self.group, self.key = self.group, None, None
+        pgs.forget(g.pg)
+        threading.Thread(target=pgs.shutdown, args=(g.pg,), daemon=True, name="ws-pg-destroy").start()
+
+    def _build(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        """A fresh group for `engines`; returns the engines that could not join."""
+        self._destroy()
+        o = self.options
+        name = f"{o.group_name}_{next(_BUILDS)}"   # unique per process: a stale rank cannot join
+        world = 1 + sum(a.group_size() for a in engines)
+        store = pgs.make_store(o.master_address, o.master_port, world, True, o.timeout)
+        port = store.port
+        infos, offset = {}, 1
+        for a in engines:
+            infos[a.engine_name] = {"master_address": o.master_address, "master_port": port,
+                                    "rank_offset": offset, "world_size": world,
+                                    "group_name": name, "backend": self.backend}
+            offset += a.group_size()
+        calls = {a.engine_name: _spawn(a.join_group, infos[a.engine_name]) for a in engines}
+        try:
+            pg = pgs.new_group(store, name, 0, world, self.backend, o.timeout)
+        except Exception as e:  # noqa: BLE001 - turned into per-engine failures below
+            return self._join_failures(engines, calls, infos, name, world, e)
+        fails = {}
+        for a in engines:
+            c = calls[a.engine_name]
+            if not c.done(o.timeout) or c.error:
+                fails[a.engine_name] = c.error[0] if c.error else WeightSyncError(
+                    f"engine did not confirm joining group {name!r} within {o.timeout}s")
+        self.group = pgs.Group(name, pg, store, 0, world, self.backend)
+        self.infos = infos
+        self._members = {a.engine_name: a for a in engines}
+        self.key = tuple((a.engine_name, a.group_size()) for a in engines)
+        if fails:   # a member that did not confirm poisons the group: rebuild without it next time
+            self.key = None
+        return fails
+
+    def _join_failures(self, engines: Sequence[Adapter], calls: dict[str, _Call],
+                       infos: dict[str, dict[str, Any]], name: str, world: int,
+                       err: BaseException) -> dict[str, BaseException]:
+        """Rank 0 gave up on the group. The engines that joined fail right after it (they waited
+        for the same missing rank), so the culprits are the calls still running after a grace
+        period; failing that, the calls that failed on their own (dead engine, refused)."""
+        deadline = time.monotonic() + max(1.0, min(10.0, self.options.timeout))
+        pending = [a for a in engines if not calls[a.engine_name].done(max(0.0, deadline - time.monotonic()))]
+        log.info("group %r was not formed: %s", name, err)
+        if pending:
+            return {a.engine_name: WeightSyncError(
+                f"engine did not join collective group {name!r} within {self.options.timeout}s "
+                f"(rank {infos[a.engine_name]['rank_offset']} of {world}); it was left out "
+                f"(rank 0: {str(err).splitlines()[0][:200]})")
+                for a in pending}
+        errs = {a.engine_name: calls[a.engine_name].error[0] for a in engines
+                if calls[a.engine_name].error and not _is_timeout(calls[a.engine_name].error[0])}
+        return errs or {a.engine_name: WeightSyncError(f"group {name!r} could not be formed: {err}")
+                        for a in engines}
+
+    def _ensure(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        """The group for exactly `engines`, rebuilt when the set changed. Engines that cannot join
+        are dropped and the group is built once more for the others."""
+        key = tuple((a.engine_name, a.group_size()) for a in engines)
+        if self.group is not None and self.key == key:
+            return {}
+        failures: dict[str, BaseException] = {}
+        members = list(engines)
+        for _ in range(2):
+            fails = self._build(members)
+            failures.update(fails)
+            members = [a for a in members if a.engine_name not in fails]
+            if not fails or not members:
+                break
+        if failures and members and self.key is None:
+            self._destroy()
+        return failures
+
+    def open(self, engines: Sequence[Adapter], version: int) -> dict[str, BaseException]:
+        self._layout(engines)
+        if not engines:
+            return {}
+        return self._ensure(engines)
+
+    # -- sending ----------------------------------------------------------------------------
+    def _device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.backend == "nccl" and not t.is_cuda:
+            return t.cuda(non_blocking=False)
+        if self.backend == "gloo" and t.device.type != "cpu":
+            return t.cpu()
+        return t
+
+    def _collect(self, calls: dict[str, _Call], wait: float) -> dict[str, BaseException]:
+        fails: dict[str, BaseException] = {}
+        for name, c in calls.items():
+            if not c.done(wait):
+                fails[name] = WeightSyncError(f"engine did not finish loading a broadcast bucket "
+                                              f"within {wait:.0f}s")
+            elif c.error:
+                fails[name] = c.error[0]
+        return fails
+
+    def _drain(self) -> dict[str, BaseException]:
+        fails: dict[str, BaseException] = {}
+        for calls, _ in self.pending:
+            for name, err in self._collect(calls, self.options.timeout).items():
+                fails.setdefault(name, err)
+        self.pending.clear()
+        return fails
+
+    def _alive(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        """Engines that no longer answer health (a dead rank broke the broadcast)."""
+        dead: dict[str, BaseException] = {}
+        for a in engines:
+            try:
+                a.health()
+            except Exception as e:  # noqa: BLE001 - this engine is gone
+                dead[a.engine_name] = e
+        return dead
+
+    def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        failures: dict[str, BaseException] = {}
+        layout = self._layout(engines)
+        engines = list(engines)
+        pieces = split_payload(payload.body, layout)
+        k = 0
+        attempts = 0
+        while k < len(pieces) and engines:
+            fails = self._ensure(engines)
+            failures.update(fails)
+            engines = [a for a in engines if a.engine_name not in fails]
+            if not engines or self.group is None:
+                break
+            tensor, dtype, specs = pieces[k]
+            fields = {"group_name": self.group.name, "layout": layout,
+                      "nbytes": tensor.numel() * tensor.element_size(), "dtype": dtype,
+                      "numel": tensor.numel(), "tensors": specs}
+            header = payload.header(**fields)
+            calls = {a.engine_name: _spawn(a.announce, header) for a in engines}
+            try:
+                pgs.broadcast(self.group.pg, self._device(tensor), self.options.timeout)
+            except Exception as e:  # noqa: BLE001 - find who broke it, rebuild, send again
+                attempts += 1
+                failures.update(self._broken(engines, calls, attempts, payload.index, e))
+                engines = [a for a in engines if a.engine_name not in failures]
+                self.key = None              # the group has a broken rank: rebuild it
+                for name, err in self._drain().items():
+                    failures.setdefault(name, err)
+                continue
+            # keep one broadcast's announces in flight: the engines stage bucket i while the
+            # trainer broadcasts bucket i+1, and never hold more than two
+            for name, err in self._drain().items():
+                failures.setdefault(name, err)
+            self.pending.append((calls, payload.index))
+            k += 1
+        return failures
+
+    def _broken(self, engines: Sequence[Adapter], calls: dict[str, _Call], attempts: int,
+                index: int, err: BaseException) -> dict[str, BaseException]:
+        """Who broke a broadcast. First the engines that no longer answer health (the survivors
+        wait in a broadcast that never completes, so they are resent to through a new group);
+        on a second failure also the engines whose announce itself failed; on a third, all."""
+        fails: dict[str, BaseException] = {}
+        dead = self._alive(engines)
+        for a in engines:
+            c = calls[a.engine_name]
+            if a.engine_name in dead:
+                fails[a.engine_name] = c.error[0] if c.done(0.5) and c.error else dead[a.engine_name]
+            elif attempts >= 2 and c.done(0.5) and c.error:
+                fails[a.engine_name] = c.error[0]
+        if attempts >= 3 or (attempts >= 2 and not fails):
+            for a in engines:
+                fails.setdefault(a.engine_name, WeightSyncError(
+                    f"broadcast of bucket {index} failed twice: {err}"))
+        return fails
+
+    def finish(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        return self._drain()
+
+    def close(self) -> None:
+        self._drain()
+        self._destroy()

@@ -1,0 +1,221 @@
+"""Transport `collective` with real processes: reference engines join a gloo group over a TCP
+store, the trainer broadcasts one bucket at a time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync.bucket import Bucket
+from weightsync.encodings.raw import RawEncoding
+from weightsync.errors import ConfigError, SyncError
+from weightsync.pipeline import WeightSync
+from weightsync.testing.contracts import TransportContract
+from weightsync.testing.engines import EngineProcess, free_port
+from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
+from weightsync.transports import pg as pgs
+from weightsync.transports.collective import CollectiveTransport, split_payload
+
+
+class TestCollectiveContract(TransportContract):
+    def make_transport(self, tmp_path: Path) -> CollectiveTransport:
+        return CollectiveTransport(CollectiveTransport.Options(timeout=20))
+
+
+def _payload():  # noqa: ANN202
+    return RawEncoding().encode(Bucket(0, list(sample_state_dict().items()), last=True))
+
+
+def test_split_safetensors_is_whole_body() -> None:
+    p = _payload()
+    [(t, dtype, specs)] = split_payload(p.body, "safetensors")
+    assert t.data_ptr() == p.body.data_ptr() and t.numel() == p.body.numel() and dtype == "uint8"
+    assert sorted(s["name"] for s in specs) == sorted(s.name for s in p.specs)
+
+
+def test_split_flat_and_per_dtype_carry_exact_tensor_bytes() -> None:
+    p = _payload()
+    sd = sample_state_dict()
+    [(flat, _, specs)] = split_payload(p.body, "flat")
+    # wire order: itemsize descending, then dtype name
+    sizes = [torch.empty((), dtype=sd[s["name"]].dtype).element_size() for s in specs]
+    assert sizes == sorted(sizes, reverse=True)
+    off = 0
+    for s in specs:
+        t = sd[s["name"]]
+        n = t.numel() * t.element_size()
+        assert torch.equal(flat[off: off + n].view(t.dtype).view(t.shape), t), s["name"]
+        off += n
+    assert off == flat.numel()
+    runs = split_payload(p.body, "flat_per_dtype")
+    assert [r[1] for r in runs] == ["int64", "float32", "bfloat16", "float16"]
+    for t, dtype, specs in runs:
+        assert str(t.dtype) == f"torch.{dtype}"
+        off = 0
+        for s in specs:
+            want = sd[s["name"]].reshape(-1)
+            assert torch.equal(t[off: off + want.numel()], want), s["name"]
+            off += want.numel()
+        assert off == t.numel()
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return write_weights_only_model(tmp_path / "model", sample_state_dict())
+
+
+def _config(engines: list[dict], **opts) -> dict:  # noqa: ANN003
+    return {"transport": {"kind": "collective", "options": {"timeout": 15, **opts}},
+            "adapter": "reference", "engines": engines,
+            "exporter": {"kind": "torch", "options": {"bucket_bytes": 4096}},
+            "sync": {"failure_policy": "continue"}}
+
+
+def test_one_broadcast_per_bucket_and_group_rebuilt_when_engines_change(
+        tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = pgs.broadcast
+
+    def counting(pg, tensor, timeout):  # noqa: ANN001, ANN202
+        calls.append(tensor.numel())
+        return real(pg, tensor, timeout)
+
+    monkeypatch.setattr(pgs, "broadcast", counting)
+    a = EngineProcess(model_dir, log=tmp_path / "a.log").start()
+    b = EngineProcess(model_dir, log=tmp_path / "b.log").start()
+    try:
+        with WeightSync.from_config(_config([a.spec(), b.spec()])) as sync:
+            sd = perturb(sample_state_dict(), 1)
+            r = sync.push(sd, version=1)
+            assert r.ok and r.verified, r.summary()
+            assert len(calls) == r.buckets and r.buckets < len(sd)   # never one per tensor
+            first = sync.transport.group.name
+            sd = perturb(sd, 2)
+            assert sync.push(sd, version=2).ok
+            assert sync.transport.group.name == first                # same engines: same group
+            b.stop()
+            sd = perturb(sd, 3)
+            r = sync.push(sd, version=3)
+            assert not r.engines[b.name].ok and r.engines[a.name].ok
+            b.start()
+            sd = perturb(sd, 4)
+            r = sync.push(sd, version=4)
+            assert r.ok and r.verified, r.summary()
+            assert sync.transport.group.name != first                # rebuilt for the new set
+        for e in (a, b):
+            assert e.health()["version"] == 4
+            got = e.weights()
+            assert all(torch.equal(got[n], t) for n, t in sd.items())
+    finally:
+        a.stop()
+        b.stop()
+
+
+_SILENT = textwrap.dedent("""
+    # A real engine process that accepts every call but never joins the group it is asked to.
+    import json, sys, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def log_message(self, *a): pass
+        def do_GET(self):
+            self._ok({"status": "ok", "version": 0, "paused": None})
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/weightsync/join":
+                time.sleep(3600)
+            self._ok({"ok": True})
+        def _ok(self, body):
+            raw = json.dumps(body).encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(raw)))
+            self.send_header("Content-Type", "application/json"); self.end_headers()
+            self.wfile.write(raw)
+    s = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H); s.daemon_threads = True
+    print("up", flush=True); s.serve_forever()
+""")
+
+
+def test_receiver_that_never_joins_fails_within_timeout(tmp_path: Path, model_dir: Path) -> None:
+    port = free_port()
+    silent = subprocess.Popen([sys.executable, "-c", _SILENT, str(port)], stdout=subprocess.PIPE)
+    good = EngineProcess(model_dir, log=tmp_path / "good.log").start()
+    try:
+        assert silent.stdout.readline().strip() == b"up"
+        cfg = _config([good.spec(), {"url": f"http://127.0.0.1:{port}", "name": "silent"}], timeout=3)
+        t0 = time.monotonic()
+        with WeightSync.from_config(cfg) as sync:
+            r = sync.push(perturb(sample_state_dict(), 1), version=1)
+        elapsed = time.monotonic() - t0
+        assert not r.engines["silent"].ok and r.engines["silent"].stage == "open"
+        assert "did not join collective group" in r.engines["silent"].error
+        assert r.engines[good.name].ok and good.health()["version"] == 1   # only itself failed
+        assert elapsed < 60, f"the sender hung for {elapsed:.0f}s"          # bounded, not a hang
+    finally:
+        silent.kill()
+        silent.wait()
+        good.stop()
+
+
+def test_only_engine_never_joins_raises(tmp_path: Path) -> None:
+    port = free_port()
+    silent = subprocess.Popen([sys.executable, "-c", _SILENT, str(port)], stdout=subprocess.PIPE)
+    try:
+        assert silent.stdout.readline().strip() == b"up"
+        cfg = _config([{"url": f"http://127.0.0.1:{port}", "name": "silent"}], timeout=2)
+        with WeightSync.from_config(cfg) as sync, pytest.raises(SyncError, match="did not join"):
+            sync.push(sample_state_dict(), version=1)
+    finally:
+        silent.kill()
+        silent.wait()
+
+
+def test_mixed_layouts_refused() -> None:
+    from weightsync.adapters.reference import ReferenceAdapter
+
+    class Flat(ReferenceAdapter):
+        layout = "flat"
+
+    with pytest.raises(ConfigError, match="share a broadcast layout"):
+        CollectiveTransport().open([ReferenceAdapter(), Flat()], 1)
+
+
+def test_engine_killed_mid_push_fails_only_itself(tmp_path: Path, model_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    a = EngineProcess(model_dir, log=tmp_path / "a.log").start()
+    b = EngineProcess(model_dir, log=tmp_path / "b.log").start()
+    real = pgs.broadcast
+    n = [0]
+
+    def killing(pg, tensor, timeout):  # noqa: ANN001, ANN202
+        n[0] += 1
+        if n[0] == 3:
+            b.kill()                 # SIGKILL between two broadcasts of one sync
+        return real(pg, tensor, timeout)
+
+    try:
+        with WeightSync.from_config(_config([a.spec(), b.spec()])) as sync:
+            sd = perturb(sample_state_dict(), 1)
+            monkeypatch.setattr(pgs, "broadcast", killing)
+            r = sync.push(sd, version=1)
+            monkeypatch.setattr(pgs, "broadcast", real)
+            assert r.engines[a.name].ok and not r.engines[b.name].ok, r.summary()
+            assert a.health()["version"] == 1
+            got = a.weights()
+            assert all(torch.equal(got[k], t) for k, t in sd.items())
+            b.start()
+            sd = perturb(sd, 2)
+            r = sync.push(sd, version=2)
+            assert r.ok and r.verified, r.summary()
+        for e in (a, b):
+            assert e.health()["version"] == 2
+            got = e.weights()
+            assert all(torch.equal(got[k], t) for k, t in sd.items())
+    finally:
+        a.stop()
+        b.stop()

@@ -1,0 +1,67 @@
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from weightsync.errors import PayloadError
+from weightsync.testing import sample_state_dict
+from weightsync.wire import frame, pack, unframe, unpack
+
+
+def test_payload_body_is_a_valid_safetensors_file():
+    sd = sample_state_dict()
+    body = pack(list(sd.items()))
+    loaded = load(bytes(body.numpy()))
+    assert set(loaded) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(loaded[k], v)
+
+
+def test_offsets_are_aligned_and_views_are_zero_copy():
+    sd = sample_state_dict()
+    body = pack(list(sd.items()))
+    named, _ = unpack(body)
+    for name, t in named:
+        if t.numel():
+            assert t.data_ptr() % t.element_size() == 0
+            assert body.data_ptr() <= t.data_ptr() < body.data_ptr() + body.numel()
+
+
+def test_cast_on_pack_converts_only_floats():
+    sd = {"f": torch.randn(5), "i": torch.arange(3)}
+    named = dict(unpack(pack(list(sd.items()), cast=torch.bfloat16))[0])
+    assert named["f"].dtype == torch.bfloat16 and torch.equal(named["f"], sd["f"].bfloat16())
+    assert named["i"].dtype == torch.int64
+
+
+def _body_with_header(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize("header,data,msg", [
+    ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "do not match"),
+    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, b"\0" * 16, "do not match"),
+    ({"x": {"dtype": "XX", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "malformed"),
+])
+def test_bad_headers_are_refused(header, data, msg):
+    with pytest.raises(PayloadError, match=msg):
+        unpack(_body_with_header(header, data))
+
+
+def test_truncated_and_garbage_bodies():
+    with pytest.raises(PayloadError, match="truncated"):
+        unpack(b"\x01\x02")
+    with pytest.raises(PayloadError, match="does not fit"):
+        unpack(struct.pack("<Q", 10**6) + b"{}")
+    with pytest.raises(PayloadError, match="not valid JSON"):
+        unpack(struct.pack("<Q", 3) + b"{x}")
+
+
+def test_frame_round_trip():
+    body = torch.arange(10, dtype=torch.uint8)
+    parts = frame({"index": 3}, body)
+    header, got = unframe(b"".join(bytes(p) for p in parts))
+    assert header == {"index": 3} and bytes(got) == bytes(range(10))
