@@ -21,7 +21,7 @@ def _plugins(args: argparse.Namespace) -> int:
         comps = ", ".join(r["components"]) or ("[red]failed: " + r["error"] + "[/red]" if r.get("error") else "-")
         table.add_row(r["name"], r["distribution"] or "-", r["version"] or "-", comps,
                       ", ".join(h.removeprefix("register_") for h in r["hooks"]))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
 
 
