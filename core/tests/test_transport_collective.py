@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from weightsync.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import ConfigError, SyncError
@@ -28,7 +27,7 @@ class TestCollectiveContract(TransportContract):
         return CollectiveTransport(CollectiveTransport.Options(timeout=20))
 
 
-def _payload():  # noqa: ANN202
+def _payload():
     return RawEncoding().encode(Bucket(0, list(sample_state_dict().items()), last=True))
 
 
@@ -70,7 +69,7 @@ def model_dir(tmp_path: Path) -> Path:
     return write_weights_only_model(tmp_path / "model", sample_state_dict())
 
 
-def _config(engines: list[dict], **opts) -> dict:  # noqa: ANN003
+def _config(engines: list[dict], **opts) -> dict:
     return {"transport": {"kind": "collective", "options": {"timeout": 15, **opts}},
             "adapter": "reference", "engines": engines,
             "exporter": {"kind": "torch", "options": {"bucket_bytes": 4096}},
@@ -80,13 +79,13 @@ def _config(engines: list[dict], **opts) -> dict:  # noqa: ANN003
 def test_one_broadcast_per_bucket_and_group_rebuilt_when_engines_change(
         tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = pgs.broadcast
+    real = pgs.start_broadcast
 
-    def counting(pg, tensor, timeout):  # noqa: ANN001, ANN202
+    def counting(pg, tensor, timeout):
         calls.append(tensor.numel())
         return real(pg, tensor, timeout)
 
-    monkeypatch.setattr(pgs, "broadcast", counting)
+    monkeypatch.setattr(pgs, "start_broadcast", counting)
     a = EngineProcess(model_dir, log=tmp_path / "a.log").start()
     b = EngineProcess(model_dir, log=tmp_path / "b.log").start()
     try:
@@ -189,10 +188,10 @@ def test_engine_killed_mid_push_fails_only_itself(tmp_path: Path, model_dir: Pat
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     a = EngineProcess(model_dir, log=tmp_path / "a.log").start()
     b = EngineProcess(model_dir, log=tmp_path / "b.log").start()
-    real = pgs.broadcast
+    real = pgs.start_broadcast
     n = [0]
 
-    def killing(pg, tensor, timeout):  # noqa: ANN001, ANN202
+    def killing(pg, tensor, timeout):
         n[0] += 1
         if n[0] == 3:
             b.kill()                 # SIGKILL between two broadcasts of one sync
@@ -201,9 +200,9 @@ def test_engine_killed_mid_push_fails_only_itself(tmp_path: Path, model_dir: Pat
     try:
         with WeightSync.from_config(_config([a.spec(), b.spec()])) as sync:
             sd = perturb(sample_state_dict(), 1)
-            monkeypatch.setattr(pgs, "broadcast", killing)
+            monkeypatch.setattr(pgs, "start_broadcast", killing)
             r = sync.push(sd, version=1)
-            monkeypatch.setattr(pgs, "broadcast", real)
+            monkeypatch.setattr(pgs, "start_broadcast", real)
             assert r.engines[a.name].ok and not r.engines[b.name].ok, r.summary()
             assert a.health()["version"] == 1
             got = a.weights()
@@ -216,6 +215,34 @@ def test_engine_killed_mid_push_fails_only_itself(tmp_path: Path, model_dir: Pat
             assert e.health()["version"] == 2
             got = e.weights()
             assert all(torch.equal(got[k], t) for k, t in sd.items())
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_engine_restarted_between_syncs_rejoins_without_waiting_for_timeout(
+        tmp_path: Path, model_dir: Path) -> None:
+    """b restarts between two pushes under the same name: it is no longer in the group, its
+    announce fails before it receives, the broadcast is abandoned at once, and the group is
+    rebuilt (a 300 s timeout would show up as a hang)."""
+    a = EngineProcess(model_dir, log=tmp_path / "a.log").start()
+    b = EngineProcess(model_dir, log=tmp_path / "b.log").start()
+    try:
+        with WeightSync.from_config(_config([a.spec(), b.spec()], timeout=300)) as sync:
+            sd = perturb(sample_state_dict(), 1)
+            assert sync.push(sd, version=1).verified
+            b.kill()
+            b.start()
+            b_version = b.health()["version"]
+            assert b_version == 0
+            t0 = time.monotonic()
+            sd = perturb(sd, 2)
+            r = sync.push(sd, version=2)
+            assert r.ok and r.verified, r.summary()
+            assert time.monotonic() - t0 < 60
+        for e in (a, b):
+            got = e.weights()
+            assert e.health()["version"] == 2 and all(torch.equal(got[k], t) for k, t in sd.items())
     finally:
         a.stop()
         b.stop()

@@ -25,6 +25,8 @@ def register_transports(register):  # noqa: ANN001, ANN201
     register(HttpTransport)
     from .transports.collective import CollectiveTransport
     register(CollectiveTransport)
+    from .transports.shm import ShmTransport
+    register(ShmTransport)
 
 
 @hookimpl

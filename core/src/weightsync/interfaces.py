@@ -185,6 +185,9 @@ class Adapter(Component):
     capabilities: ClassVar[frozenset[str]] = frozenset()
     encodings: ClassVar[frozenset[str] | None] = None   # None: weightsync's receiver decodes any
     pause_modes: ClassVar[tuple[str, ...]] = ("abort", "keep")
+    ordered_announces: ClassVar[bool] = False
+    """True when the engine serves announces in their `seq` order itself (weightsync's receiver),
+    so a transport may keep the next one in flight; otherwise it waits for each to finish."""
     layout: ClassVar[str] = "safetensors"
     """What a group broadcast carries for this engine: "safetensors" (the whole payload body) or
     "flat" (only its data section: tensor bytes back to back, largest itemsize first, which is

@@ -55,7 +55,11 @@ class Components:
     def _call(self, hook: str, registry: Registry[Any]) -> None:
         """Each plugin's hook separately: one that raises is recorded as failed (a warning) and
         the others still register; a duplicate name stays an error."""
-        for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
+        impls = list(reversed(getattr(self.pm.hook, hook).get_hookimpls()))
+        if os.environ.get("WEIGHTSYNC_TRACE_PLUGINS"):
+            # called one by one below, which pluggy's hookcall monitoring never sees: trace here
+            print(f"weightsync: {hook} -> {[i.plugin_name for i in impls]}", file=sys.stderr)
+        for impl in impls:
             try:
                 impl.function(register=registry.add)
             except PluginError:

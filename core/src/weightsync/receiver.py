@@ -47,10 +47,35 @@ class ModuleStore:
 
 
 class DictStore(ModuleStore):
-    """Plain named tensors (a weights-only engine)."""
+    """Plain named tensors (a weights-only engine).
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    With `owned` (the default) nothing outside holds these tensors, so the store stages into
+    buffers it keeps from round to round (warm memory: no page faults per sync) and a commit
+    adopts the staged tensors instead of copying them; the old live tensors become the next
+    round's staging buffers. Each received byte is then copied exactly once on the engine side."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], owned: bool = True) -> None:
         self._tensors = dict(tensors)
+        self._owned = owned
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def staging_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """A buffer to stage `name` in (shaped like the live tensor), or None: clone."""
+        if not self._owned or name not in self._tensors:
+            return None
+        live = self._tensors[name]
+        buf = self._staging.get(name)
+        if buf is None or buf.shape != live.shape or buf.dtype != live.dtype or buf.device != live.device:
+            buf = self._staging[name] = torch.empty_like(live)
+        return buf
+
+    @torch.no_grad()
+    def load(self, named: Mapping[str, torch.Tensor]) -> None:
+        for name, t in named.items():
+            if self._owned and self._staging.get(name) is t:
+                self._staging[name], self._tensors[name] = self._tensors[name], t
+            else:
+                self._tensors[name].detach().copy_(t)
 
 
 def check_tensor(store: WeightStore, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -89,6 +114,17 @@ class ReceiveSession:
         self.digests: dict[int, str] = {}
         self.last_index: int | None = None
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.busy = 0          # payloads being staged right now
+        self.closed = False
+
+    def _stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A private copy of `t`: into the store's reusable buffer when it offers one."""
+        take = getattr(self.store, "staging_buffer", None)
+        buf = take(name, t) if take is not None else None
+        if buf is None:
+            return t.clone()
+        return buf.copy_(t)
 
     def join(self, info: Mapping[str, Any]) -> None:
         self.rx.join(info)
@@ -106,14 +142,24 @@ class ReceiveSession:
             named = [(n, decoded[n]) for n in order]
             for n, t in named:
                 check_tensor(self.store, n, t)
-            got = digest_tensors(named)
+            with self.lock:
+                if self.closed:
+                    raise PayloadError(f"bucket {payload.index} arrived after the update round closed")
+                self.busy += 1
+            try:      # stage (one copy), then digest what was staged: that is what commit loads
+                staged = [(n, self._stage(n, t)) for n, t in named]
+                got = digest_tensors(staged)
+            finally:
+                with self.lock:
+                    self.busy -= 1
+                    self.idle.notify_all()
             if got != payload.digest:
                 raise PayloadError(f"bucket {payload.index} (tensors {order[0]!r}..): digest "
                                    f"{got} does not match the sender's {payload.digest}; the payload "
                                    f"was corrupted in transit and nothing was applied")
             with self.lock:
-                for n, t in named:
-                    self.staged[n] = t.clone()
+                for n, t in staged:
+                    self.staged[n] = t
                 self.digests[payload.index] = got
                 if payload.last:
                     self.last_index = payload.index
@@ -136,5 +182,10 @@ class ReceiveSession:
         self.close()
 
     def close(self) -> None:
-        self.staged.clear()
+        """No payload of this round writes into staging buffers after close returns (a new
+        round reuses them)."""
+        with self.lock:
+            self.closed = True
+            self.idle.wait_for(lambda: self.busy == 0, timeout=60)
+            self.staged.clear()
         self.rx.close()

@@ -27,7 +27,7 @@ def target_dtype(t: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize          # no tensor allocation per call (hot in per-tensor loops)
 
 
 def safetensors_layout(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
@@ -105,7 +105,7 @@ def unpack(buf: torch.Tensor | bytes | memoryview | bytearray) -> tuple[list[tup
             start, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise PayloadError(f"tensor {name!r}: malformed header entry ({e})") from None
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = 1
         for d in shape:
             numel *= d

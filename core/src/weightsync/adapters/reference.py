@@ -25,6 +25,7 @@ class ReferenceAdapter(Adapter):
     capabilities = frozenset({"http", "announce", "group", "disk"})
     encodings = None
     pause_modes = ("abort", "keep")
+    ordered_announces = True
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)

@@ -24,14 +24,15 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..bucket import dtype_from_name
-from ..errors import ConfigError, PayloadError, WeightSyncError
+from ..errors import ConfigError, PayloadError, TransportError
 from ..interfaces import Adapter, Payload, Transport, TransportReceiver
 from . import pg as pgs
 
@@ -47,12 +48,41 @@ class CollectiveOptions(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="auto: nccl when CUDA is available, else gloo")
     timeout: float = Field(120.0, gt=0, description="seconds a join or one broadcast may take")
+    buffers: int = Field(2, ge=1, le=8, description="send buffers used in turn: the exporter "
+                                                    "fills one while the other is broadcast")
 
 
 # -- receiving side ---------------------------------------------------------------------------
 _BUILDS = itertools.count(1)
-_GROUPS: dict[str, tuple[pgs.Group, threading.Lock]] = {}
+_GROUPS: dict[str, tuple[pgs.Group, "_Order"]] = {}
 _GROUPS_LOCK = threading.Lock()
+
+
+class _Order:
+    """Broadcasts on one group must be received in the sender's order, but the announces that
+    trigger them are HTTP requests that may arrive out of order (the trainer keeps one in flight
+    while it broadcasts the next). Each announce carries `seq`; a receive waits for its turn."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.next = 0
+
+    def wait_turn(self, seq: int | None, timeout: float) -> None:
+        if seq is None:
+            return
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.next >= seq, timeout):
+                raise TransportError(f"broadcast {seq} was announced, but broadcast {self.next} "
+                                     f"never arrived within {timeout}s")
+            if self.next > seq:
+                raise PayloadError(f"broadcast {seq} was announced twice")
+
+    def done(self, seq: int | None) -> None:
+        if seq is None:
+            return
+        with self.cond:
+            self.next = seq + 1
+            self.cond.notify_all()
 
 
 def _forget_groups() -> None:
@@ -66,9 +96,39 @@ def _forget_groups() -> None:
         threading.Thread(target=pgs.shutdown, args=(g.pg,), daemon=True, name="ws-pg-destroy").start()
 
 
+class _RecvPool:
+    """Receive buffers reused across buckets and rounds (per process), so a broadcast lands in
+    warm memory instead of page-faulting a fresh allocation every bucket."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int, device: Any) -> torch.Tensor:
+        with self.lock:
+            fits = [i for i, b in enumerate(self.free)
+                    if b.numel() >= nbytes and b.device == torch.device(device)]
+            if fits:
+                return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+            if len(self.free) >= 2:          # keep at most two idle buffers
+                self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
+        return torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            self.free.append(buf)
+
+
+_POOL = _RecvPool()
+
+
 class CollectiveReceiver(TransportReceiver):
     """Joins the trainer's group (per process: the group outlives one update round, because a
     new round does not rebuild it) and receives one broadcast per announce."""
+
+    def __init__(self, options: BaseModel) -> None:
+        super().__init__(options)
+        self._lent: dict[tuple[Any, int], torch.Tensor] = {}
 
     def join(self, info: Mapping[str, Any]) -> None:
         try:
@@ -87,11 +147,11 @@ class CollectiveReceiver(TransportReceiver):
         store = pgs.make_store(address, port, world, False, timeout)
         try:
             pg = pgs.new_group(store, name, rank, world, backend, timeout)
-        except Exception as e:
-            raise WeightSyncError(f"could not join group {name!r} at {address}:{port} as rank "
+        except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistError/ValueError
+            raise TransportError(f"could not join group {name!r} at {address}:{port} as rank "
                                   f"{rank} of {world} within {timeout}s: {e}") from None
         with _GROUPS_LOCK:
-            _GROUPS[name] = (pgs.Group(name, pg, store, rank, world, backend), threading.Lock())
+            _GROUPS[name] = (pgs.Group(name, pg, store, rank, world, backend), _Order())
 
     def receive(self, header: Mapping[str, Any], body: memoryview | None) -> torch.Tensor:
         tr = header.get("transport") or {}
@@ -104,16 +164,48 @@ class CollectiveReceiver(TransportReceiver):
         if entry is None:
             raise PayloadError(f"this engine is not in group {name!r}; the trainer must make it "
                                f"join (/weightsync/join) before announcing broadcasts")
-        group, lock = entry
+        group, order = entry
         nbytes = int(tr["nbytes"])
+        seq = int(tr["seq"]) if "seq" in tr else None
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        with lock:      # broadcasts on one group must be issued in the sender's order
-            pgs.broadcast(group.pg, buf, self.options.timeout)
+        whole = _POOL.take(nbytes, device)
+        buf = whole[:nbytes]
+        try:
+            order.wait_turn(seq, self.options.timeout)
+            try:
+                pgs.broadcast(group.pg, buf, self.options.timeout)
+            finally:
+                order.done(seq)
+        except BaseException:
+            _POOL.give(whole)
+            raise
+        self._lent[(name, int(header.get("index", -1)))] = whole
         return buf
+
+    def release(self, header: Mapping[str, Any]) -> None:
+        """The engine staged the bucket: its receive buffer serves the next one."""
+        tr = header.get("transport") or {}
+        whole = self._lent.pop((tr.get("group_name"), int(header.get("index", -1))), None)
+        if whole is not None:
+            _POOL.give(whole)
 
 
 # -- sending side -----------------------------------------------------------------------------
+class _Buffer:
+    """One reusable send buffer: payloads are packed straight into it (warm memory, no
+    allocation per bucket) and it is handed out again once its broadcast is done."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.free = threading.Event()
+        self.free.set()
+
+    def holds(self, t: torch.Tensor) -> bool:
+        b = self.tensor
+        return (b is not None and b.device == t.device and b.data_ptr() <= t.data_ptr()
+                and t.data_ptr() + t.numel() <= b.data_ptr() + b.numel())
+
+
 @dataclass
 class _Piece:
     """One broadcast: a tensor and the transport fields of its announce header."""
@@ -201,7 +293,31 @@ class CollectiveTransport(Transport):
         self.key: tuple | None = None
         self.backend = self.options.backend if self.options.backend != "auto" else pgs.default_backend()
         self.pending: list[tuple[dict[str, _Call], int]] = []   # announces of the previous broadcast
+        self._seq = 0                                             # broadcasts on the current group
         self._members: dict[str, Adapter] = {}
+        self._ring = [_Buffer() for _ in range(self.options.buffers)]
+        self._turn = 0
+        self._ring_lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """The next send buffer, once its previous broadcast is done; grown when too small.
+        Sender memory stays at `buffers` buckets whatever the model size."""
+        with self._ring_lock:
+            buf = self._ring[self._turn]
+            self._turn = (self._turn + 1) % len(self._ring)
+        if not buf.free.wait(self.options.timeout):
+            raise TransportError(f"no send buffer was released within {self.options.timeout}s")
+        buf.free.clear()
+        if buf.tensor is None or buf.tensor.numel() < nbytes:
+            buf.tensor = None
+            device = "cuda" if self.backend == "nccl" else "cpu"
+            buf.tensor = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
+        return buf.tensor[:nbytes]
+
+    def _release(self, body: torch.Tensor) -> None:
+        for b in self._ring:
+            if b.holds(body):
+                b.free.set()
 
     # -- group lifecycle ------------------------------------------------------------------
     @staticmethod
@@ -251,9 +367,10 @@ class CollectiveTransport(Transport):
         for a in engines:
             c = calls[a.engine_name]
             if not c.done(o.timeout) or c.error:
-                fails[a.engine_name] = c.error[0] if c.error else WeightSyncError(
+                fails[a.engine_name] = c.error[0] if c.error else TransportError(
                     f"engine did not confirm joining group {name!r} within {o.timeout}s")
         self.group = pgs.Group(name, pg, store, 0, world, self.backend)
+        self._seq = 0
         self.infos = infos
         self._members = {a.engine_name: a for a in engines}
         self.key = tuple((a.engine_name, a.group_size()) for a in engines)
@@ -271,14 +388,14 @@ class CollectiveTransport(Transport):
         pending = [a for a in engines if not calls[a.engine_name].done(max(0.0, deadline - time.monotonic()))]
         log.info("group %r was not formed: %s", name, err)
         if pending:
-            return {a.engine_name: WeightSyncError(
+            return {a.engine_name: TransportError(
                 f"engine did not join collective group {name!r} within {self.options.timeout}s "
                 f"(rank {infos[a.engine_name]['rank_offset']} of {world}); it was left out "
                 f"(rank 0: {str(err).splitlines()[0][:200]})")
                 for a in pending}
         errs = {a.engine_name: calls[a.engine_name].error[0] for a in engines
                 if calls[a.engine_name].error and not _is_timeout(calls[a.engine_name].error[0])}
-        return errs or {a.engine_name: WeightSyncError(f"group {name!r} could not be formed: {err}")
+        return errs or {a.engine_name: TransportError(f"group {name!r} could not be formed: {err}")
                         for a in engines}
 
     def _ensure(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
@@ -300,6 +417,10 @@ class CollectiveTransport(Transport):
         return failures
 
     def open(self, engines: Sequence[Adapter], version: int) -> dict[str, BaseException]:
+        with self._ring_lock:       # buffers of an aborted sync were never sent: all free again
+            self._turn = 0
+            for b in self._ring:
+                b.free.set()
         self._layout(engines)
         if not engines:
             return {}
@@ -317,7 +438,7 @@ class CollectiveTransport(Transport):
         fails: dict[str, BaseException] = {}
         for name, c in calls.items():
             if not c.done(wait):
-                fails[name] = WeightSyncError(f"engine did not finish loading a broadcast bucket "
+                fails[name] = TransportError(f"engine did not finish loading a broadcast bucket "
                                               f"within {wait:.0f}s")
             elif c.error:
                 fails[name] = c.error[0]
@@ -342,6 +463,12 @@ class CollectiveTransport(Transport):
         return dead
 
     def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        try:
+            return self._send(payload, engines)
+        finally:
+            self._release(payload.body)
+
+    def _send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
         failures: dict[str, BaseException] = {}
         layout = self._layout(engines)
         engines = list(engines)
@@ -355,13 +482,17 @@ class CollectiveTransport(Transport):
             if not engines or self.group is None:
                 break
             tensor, dtype, specs = pieces[k]
-            fields = {"group_name": self.group.name, "layout": layout,
+            if not all(a.ordered_announces for a in engines):
+                # an engine that serves announces in arrival order must see k done before k+1
+                for name, err in self._drain().items():
+                    failures.setdefault(name, err)
+            fields = {"group_name": self.group.name, "layout": layout, "seq": self._seq,
                       "nbytes": tensor.numel() * tensor.element_size(), "dtype": dtype,
                       "numel": tensor.numel(), "tensors": specs}
             header = payload.header(**fields)
             calls = {a.engine_name: _spawn(a.announce, header) for a in engines}
             try:
-                pgs.broadcast(self.group.pg, self._device(tensor), self.options.timeout)
+                self._broadcast(self._device(tensor), calls, payload.body)
             except Exception as e:  # noqa: BLE001 - find who broke it, rebuild, send again
                 attempts += 1
                 failures.update(self._broken(engines, calls, attempts, payload.index, e))
@@ -372,11 +503,38 @@ class CollectiveTransport(Transport):
                 continue
             # keep one broadcast's announces in flight: the engines stage bucket i while the
             # trainer broadcasts bucket i+1, and never hold more than two
+            self._seq += 1
             for name, err in self._drain().items():
                 failures.setdefault(name, err)
             self.pending.append((calls, payload.index))
             k += 1
         return failures
+
+    def _broadcast(self, tensor: torch.Tensor, calls: dict[str, _Call], body: torch.Tensor) -> None:
+        """Broadcast while watching the announces: an engine that failed before it posted its
+        receive would leave rank 0 waiting for the whole timeout, so the broadcast is abandoned
+        as soon as one announce fails (the group is rebuilt; the buffer is retired, since the
+        abandoned operation may still read it)."""
+        work = pgs.start_broadcast(self.group.pg, tensor, self.options.timeout)
+        deadline = time.monotonic() + self.options.timeout
+        nap = 0.0005
+        while not work.is_completed():
+            bad = [(n, c.error[0]) for n, c in calls.items() if c.error]
+            if bad or time.monotonic() > deadline:
+                self._retire(body)
+                if bad:
+                    raise TransportError(f"engine {bad[0][0]} failed before receiving the "
+                                         f"broadcast: {bad[0][1]}")
+                raise TransportError(f"broadcast did not complete within {self.options.timeout}s")
+            time.sleep(nap)
+            nap = min(nap * 2, 0.005)
+        pgs.finish_broadcast(work, tensor, self.options.timeout)
+
+    def _retire(self, body: torch.Tensor) -> None:
+        for b in self._ring:
+            if b.holds(body):
+                b.tensor = None          # the next alloc of this slot gets fresh memory
+                b.free.set()
 
     def _broken(self, engines: Sequence[Adapter], calls: dict[str, _Call], attempts: int,
                 index: int, err: BaseException) -> dict[str, BaseException]:
@@ -393,7 +551,7 @@ class CollectiveTransport(Transport):
                 fails[a.engine_name] = c.error[0]
         if attempts >= 3 or (attempts >= 2 and not fails):
             for a in engines:
-                fails.setdefault(a.engine_name, WeightSyncError(
+                fails.setdefault(a.engine_name, TransportError(
                     f"broadcast of bucket {index} failed twice: {err}"))
         return fails
 

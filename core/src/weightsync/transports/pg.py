@@ -57,10 +57,9 @@ def new_group(store: Any, group_name: str, rank: int, world_size: int, backend: 
                                       group_name=group_name, timeout=datetime.timedelta(seconds=timeout),
                                       **kw)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    if backend == "gloo":
-        # gloo connects lazily on first use in some torch versions; a barrier makes "joined" mean
-        # "every rank is connected" on both sides, so a missing rank surfaces here, not mid-sync.
-        pg.barrier().wait()
+    # No barrier here: SGLang's and LMDeploy's init_custom_process_group issue none, so one on
+    # rank 0 would wait forever for them. gloo connects the full mesh while the group is
+    # created, so a rank that never joins still surfaces here, within `timeout`.
     return pg
 
 
@@ -95,14 +94,23 @@ def shutdown(pg: Any) -> None:
         log.debug("process group shutdown failed: %s", e)
 
 
-def broadcast(pg: Any, tensor: torch.Tensor, timeout: float) -> None:
-    """Rank 0 -> every rank, in place. Raises if a peer died or the timeout passed."""
+def start_broadcast(pg: Any, tensor: torch.Tensor, timeout: float) -> Any:
+    """Rank 0 -> every rank, in place; returns the pending work."""
     from torch.distributed import BroadcastOptions
     opts = BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
     opts.timeout = datetime.timedelta(seconds=timeout)
-    work = pg.broadcast([tensor], opts)
+    return pg.broadcast([tensor], opts)
+
+
+def finish_broadcast(work: Any, tensor: torch.Tensor, timeout: float) -> None:
+    """Wait for `work`; raises if a peer died or the timeout passed."""
     work.wait(datetime.timedelta(seconds=timeout))
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, timeout: float) -> None:
+    """Rank 0 -> every rank, in place. Raises if a peer died or the timeout passed."""
+    finish_broadcast(start_broadcast(pg, tensor, timeout), tensor, timeout)

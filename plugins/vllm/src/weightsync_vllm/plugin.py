@@ -1,4 +1,10 @@
 """Hook implementations only; components are imported inside the hooks so the plugin imports
 without its engine installed."""
 
-from weightsync import hookimpl  # noqa: F401
+from weightsync import hookimpl
+
+
+@hookimpl
+def register_adapters(register):
+    from .adapter import VllmAdapter
+    register(VllmAdapter)

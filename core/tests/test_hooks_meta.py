@@ -1,0 +1,379 @@
+"""The hooks, their docs and the plugin manager's promises (datasette-style meta-tests):
+every hook is documented in docs/hooks.md and tested by a `test_hook_<name>`, the doc's examples
+run, and loading follows what docs/writing-plugins.md says (allowlist, broken plugins, duplicate
+names, misspelt hooks)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import pluggy
+import pytest
+
+from weightsync import hookspecs
+from weightsync.adapters.reference import ReferenceAdapter
+from weightsync.config import SyncConfig, resolve
+from weightsync.encodings.raw import RawEncoding
+from weightsync.errors import ConfigError, PluginError
+from weightsync.exporters.torch import TorchExporter
+from weightsync.hookspecs import hookimpl
+from weightsync.plugins import describe_plugins, load_components, make_plugin_manager
+from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
+from weightsync.transports.http import HttpTransport
+
+ROOT = Path(__file__).resolve().parents[2]
+HOOKS_MD = ROOT / "docs" / "hooks.md"
+TESTS = Path(__file__).resolve().parent
+ENV_VARS = ("WEIGHTSYNC_PLUGINS", "WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD", "WEIGHTSYNC_TRACE_PLUGINS")
+
+
+def hook_specs() -> dict[str, list[str]]:
+    """Hook name -> argument names, read from the hookspec module itself."""
+    return {name: list(inspect.signature(fn).parameters)
+            for name, fn in vars(hookspecs).items()
+            if callable(fn) and hasattr(fn, f"{hookspecs.PROJECT}_spec")}
+
+
+HOOKS = sorted(hook_specs())
+
+
+def doc_sections() -> dict[str, str]:
+    """`## heading` -> the text up to the next `## ` heading."""
+    parts = re.split(r"^## ", HOOKS_MD.read_text(), flags=re.M)
+    return {p.split("\n", 1)[0].strip(): p for p in parts[1:]}
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", HOOKS_MD.read_text(), re.S)
+
+
+@pytest.fixture(autouse=True)
+def _clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_the_four_registration_hooks_exist() -> None:
+    assert hook_specs() == {"register_adapters": ["register"], "register_encodings": ["register"],
+                            "register_exporters": ["register"], "register_transports": ["register"]}
+    assert HOOKS == sorted(h for h in dir(make_plugin_manager(load_entrypoints=False).hook)
+                           if not h.startswith("_"))
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_is_documented(hook: str) -> None:
+    sections = doc_sections()
+    heading = next((h for h in sections if h.startswith(f"{hook}(")), None)
+    assert heading is not None, f"docs/hooks.md has no '## {hook}(' heading"
+    args = re.fullmatch(rf"{hook}\((.*)\)", heading)
+    assert args is not None, heading
+    documented = [a.strip() for a in args.group(1).split(",") if a.strip()]
+    for arg in hook_specs()[hook]:
+        assert arg in documented, f"'## {heading}' does not mention argument {arg!r}"
+        assert f"`{arg}" in sections[heading], f"the {hook} section never explains {arg!r}"
+    assert f"def {hook}(self, register)" in sections[heading], f"the {hook} section has no example"
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_has_a_test(hook: str) -> None:
+    pattern = re.compile(rf"^def test_hook_{hook}\(", re.M)
+    assert any(pattern.search(p.read_text()) for p in TESTS.rglob("test_*.py")), \
+        f"no test_hook_{hook} under core/tests"
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks())))
+def test_hooks_md_example_runs(index: int) -> None:
+    """Every python block in docs/hooks.md runs as written (its asserts included)."""
+    code = python_blocks()[index]
+    exec(compile(code, f"docs/hooks.md[block {index}]", "exec"), {"__name__": f"hooks_md_{index}"})
+
+
+# -- one test per hook: a throwaway class plugin on a fresh manager ---------------------------
+
+def test_hook_register_exporters(tmp_path: Path) -> None:
+    """Registered once at assembly; a push of many buckets calls the hook no more."""
+    calls = []
+
+    class SmallBuckets(TorchExporter):
+        name = "small-buckets"
+
+    class Plugin:
+        @hookimpl
+        def register_exporters(self, register):
+            calls.append(register)
+            register(SmallBuckets)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="small-buckets-plugin")
+    components = load_components(pm)
+    assert components.exporters.get("small-buckets") is SmallBuckets
+    assert "torch" in components.exporters
+    sd = sample_state_dict()
+    with EngineProcess(write_weights_only_model(tmp_path / "m", sd), log=tmp_path / "e.log") as e:
+        cfg = {"exporter": {"kind": "small-buckets", "options": {"bucket_bytes": 2048}},
+               "engines": [e.spec()]}
+        from weightsync import WeightSync
+        with WeightSync.from_config(cfg, components=components) as sync:
+            report = sync.push(sd, version=1)
+        assert report.ok and report.verified, report.summary()
+        assert report.buckets > 3
+        assert e.health()["version"] == 1
+    assert len(calls) == 1, "hooks run at assembly only, never per bucket or per sync"
+
+
+def test_hook_register_encodings() -> None:
+    class Raw2(RawEncoding):
+        name = "raw2"
+
+    class Raw3(RawEncoding):
+        name = "raw3"
+
+    class Plugin:
+        @hookimpl
+        def register_encodings(self, register):
+            register(Raw2)
+            register(Raw3)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="raw-variants")
+    encodings = load_components(pm).encodings
+    assert encodings.get("raw2") is Raw2 and encodings.get("raw3") is Raw3
+    assert {"raw", "cast", "raw2", "raw3"} <= set(encodings.names())
+
+
+def test_hook_register_transports() -> None:
+    class PlainFileTransport(HttpTransport):
+        name = "plain-file"
+
+    class Plugin:
+        @hookimpl
+        def register_transports(self, register):
+            register(PlainFileTransport)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="plain-file-plugin")
+    components = load_components(pm)
+    assert components.transports.get("plain-file") is PlainFileTransport
+    assert "http" in components.transports
+    row = next(r for r in describe_plugins(components) if r["name"] == "plain-file-plugin")
+    assert row["hooks"] == ["register_transports"]
+
+
+def test_hook_register_adapters() -> None:
+    class Proxied(ReferenceAdapter):
+        name = "proxied"
+        capabilities = frozenset({"http"})
+
+    class Plugin:
+        @hookimpl
+        def register_adapters(self, register):
+            register(Proxied)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="proxied-plugin")
+    components = load_components(pm)
+    assert components.adapters.get("proxied") is Proxied
+    engines = [{"url": "http://127.0.0.1:8100"}]
+    resolved = resolve(SyncConfig.load({"adapter": "proxied", "engines": engines}), components)
+    assert resolved.engines[0].adapter_cls is Proxied
+    refused = SyncConfig.load({"adapter": "proxied", "transport": "collective", "engines": engines})
+    with pytest.raises(ConfigError, match="'proxied' cannot receive over transport 'collective'"):
+        resolve(refused, components)
+
+
+# -- what `register` refuses ------------------------------------------------------------------
+
+def test_duplicate_component_name_is_an_error_naming_both_modules() -> None:
+    class OtherHttp(HttpTransport):
+        name = "http"
+
+    class Plugin:
+        @hookimpl
+        def register_transports(self, register):
+            register(OtherHttp)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="clash")
+    with pytest.raises(PluginError) as err:
+        load_components(pm)
+    msg = str(err.value)
+    assert "transport 'http' is registered by both" in msg
+    assert "weightsync.transports.http.HttpTransport" in msg
+    assert f"{OtherHttp.__module__}.{OtherHttp.__qualname__}" in msg
+    assert "WEIGHTSYNC_PLUGINS" in msg
+
+
+def test_register_refuses_what_is_not_a_component() -> None:
+    class NoName(HttpTransport):
+        name = ""
+
+    class Plugin:
+        def __init__(self, cls: type) -> None:
+            self.cls = cls
+
+        @hookimpl
+        def register_transports(self, register):
+            register(self.cls)
+
+    for bad, expected in ((RawEncoding, "is not a Transport"), (NoName, "has no `name`")):
+        pm = make_plugin_manager(load_entrypoints=False)
+        pm.register(Plugin(bad), name="bad")
+        with pytest.raises(PluginError, match=expected):
+            load_components(pm)
+
+
+def test_misspelt_hookimpl_fails_check_pending() -> None:
+    class Plugin:
+        @hookimpl
+        def register_transport(self, register):  # the "s" is missing
+            register(HttpTransport)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="typo")
+    with pytest.raises(pluggy.PluginValidationError, match="unknown hook 'register_transport'"):
+        pm.check_pending()
+
+
+def test_raising_hookimpl_is_recorded_as_failed(caplog: pytest.LogCaptureFixture) -> None:
+    class Plugin:
+        @hookimpl
+        def register_transports(self, register):
+            raise RuntimeError("rdma device not found")
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="flaky")
+    with caplog.at_level(logging.WARNING, logger="weightsync.plugins"):
+        components = load_components(pm)
+    assert "rdma device not found" in components.failed["flaky"]
+    assert "flaky" in caplog.text and "rdma device not found" in caplog.text
+    assert "http" in components.transports
+    with pytest.raises(PluginError, match=r"unknown transport 'rdma'.*flaky.*rdma device not"):
+        components.transports.get("rdma")
+
+
+# -- entry-point loading, through real installed distributions --------------------------------
+
+GOOD_PLUGIN = """\
+from weightsync import hookimpl
+
+
+@hookimpl
+def register_transports(register):
+    from weightsync.transports.http import HttpTransport
+
+    class MetaGoodTransport(HttpTransport):
+        name = "meta-good"
+
+    register(MetaGoodTransport)
+"""
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Two distributions installed by hand into a directory on sys.path (what pip --target
+    writes: the package and a .dist-info with entry_points.txt): `meta_good` registers a
+    transport, `meta_broken` raises when imported."""
+    site = tmp_path / "site"
+    for ep, package, plugin in (("meta_good", "ws_meta_good", GOOD_PLUGIN),
+                                ("meta_broken", "ws_meta_broken",
+                                 'raise ImportError("ws_meta_broken needs librdmacm")\n')):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text("")
+        (site / package / "plugin.py").write_text(plugin)
+        info = site / f"weightsync_{ep}-0.1.0.dist-info"
+        info.mkdir()
+        dist = "weightsync-" + ep.replace("_", "-")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+        (info / "entry_points.txt").write_text(f"[weightsync]\n{ep} = {package}.plugin\n")
+    monkeypatch.syspath_prepend(str(site))
+    yield site
+    for mod in [m for m in sys.modules if m.startswith(("ws_meta_good", "ws_meta_broken"))]:
+        del sys.modules[mod]
+
+
+def entry_point_plugins(pm: pluggy.PluginManager) -> set[str]:
+    return {name for name, _ in pm.list_name_plugin()} - {"weightsync.builtin"}
+
+
+def test_broken_plugin_is_a_warning_and_the_rest_keep_working(
+        site: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("WEIGHTSYNC_PLUGINS", "meta_good,meta_broken")
+    with caplog.at_level(logging.WARNING, logger="weightsync.plugins"):
+        components = load_components(make_plugin_manager())
+    assert "weightsync plugin 'meta_broken' failed to import" in caplog.text
+    assert "librdmacm" in components.failed["meta_broken"]
+    assert entry_point_plugins(components.pm) == {"meta_good"}
+    assert components.transports.get("meta-good").__module__ == "ws_meta_good.plugin"
+    assert "http" in components.transports
+    rows = {r["name"]: r for r in describe_plugins(components)}
+    assert rows["meta_good"]["distribution"] == "weightsync-meta-good"
+    assert rows["meta_good"]["components"] == ["transport:meta-good"]
+    assert "librdmacm" in rows["meta_broken"]["error"]
+
+
+def test_unknown_kind_lists_installed_and_failed(site: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIGHTSYNC_PLUGINS", "meta_good,meta_broken")
+    components = load_components(make_plugin_manager())
+    with pytest.raises(PluginError) as err:
+        components.transports.get("rdma")
+    msg = str(err.value)
+    installed = re.search(r"installed: (\[.*?\])", msg)
+    assert installed is not None, msg
+    assert {"http", "meta-good"} <= set(json.loads(installed.group(1).replace("'", '"')))
+    assert "plugins that failed to import: meta_broken" in msg and "librdmacm" in msg
+    with pytest.raises(PluginError, match="unknown transport 'rdma'.*meta_broken"):
+        resolve(SyncConfig.load({"transport": "rdma", "engines": [{"url": "http://127.0.0.1:1"}]}),
+                components)
+
+
+def test_plugins_allowlist_and_autoload_switch(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+    installed = {ep.name for ep in importlib.metadata.entry_points(group="weightsync")}
+    assert {"meta_good", "meta_broken"} <= installed
+
+    monkeypatch.setenv("WEIGHTSYNC_PLUGINS", "")
+    components = load_components(make_plugin_manager())
+    assert entry_point_plugins(components.pm) == set() and components.failed == {}
+    assert {"http", "collective"} <= set(components.transports.names())
+    assert "raw" in components.encodings and "torch" in components.exporters
+    assert "reference" in components.adapters
+
+    monkeypatch.setenv("WEIGHTSYNC_PLUGINS", "meta_good")
+    assert entry_point_plugins(make_plugin_manager()) == {"meta_good"}
+
+    monkeypatch.setenv("WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert entry_point_plugins(make_plugin_manager()) == set()
+
+    monkeypatch.delenv("WEIGHTSYNC_PLUGINS")
+    monkeypatch.delenv("WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD")
+    loaded = entry_point_plugins(make_plugin_manager())
+    assert {"meta_good", "meta_broken"} & loaded == {"meta_good"}
+
+
+def test_weightsync_plugins_command_lists_the_failed_plugin(site: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")])),
+               WEIGHTSYNC_PLUGINS="meta_good,meta_broken", PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([sys.executable, "-m", "weightsync", "plugins", "--json"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert rows["meta_good"]["components"] == ["transport:meta-good"]
+    assert "librdmacm" in rows["meta_broken"]["error"] and rows["meta_broken"]["components"] == []
+    assert "weightsync plugin 'meta_broken' failed to import" in r.stderr
+
+
+def test_example_in_hooks_md_intro_is_a_plain_hookimpl() -> None:
+    """The first block shows the package form: a module-level function with the spec's name."""
+    code = textwrap.dedent(python_blocks()[0])
+    assert "@hookimpl\ndef register_transports(register):" in code

@@ -1,0 +1,68 @@
+"""`weightsync-disk-delta agent ...`: the pull agent of a rollout host, as a command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+
+def _adapter(kind: str, url: str | None, api_key: str | None):  # noqa: ANN202
+    if kind == "none":
+        return None
+    if not url:
+        raise SystemExit("error: --url is required unless --engine none")
+    from weightsync.config import ComponentRef, EngineSpec, build_options
+    from weightsync.plugins import load_components
+    cls = load_components().adapters.get(kind)
+    if "disk" not in cls.capabilities:
+        raise SystemExit(f"error: adapter {kind!r} cannot reload from disk (no 'disk' capability)")
+    return cls(build_options(cls, ComponentRef(kind=kind), "adapter"), EngineSpec(url=url, api_key=api_key))
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from weightsync.errors import WeightSyncError
+
+    from .agent import Agent
+    from .layout import load_hook
+    adapter = _adapter(args.engine, args.url, args.api_key)
+    agent = Agent(args.root, args.local, adapter, before_read=load_hook(args.before_read),
+                  fsync=args.fsync, on_event=lambda m: print(f"agent: {m}", flush=True))
+    print(f"agent: following {args.root} into {args.local}", flush=True)
+    try:
+        v = agent.run(interval=args.interval, until=args.until, once=args.once, timeout=args.timeout)
+    except (WeightSyncError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"agent: done at version {v}", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser("weightsync-disk-delta",
+                                description="Pull published weight versions into a host-local checkpoint.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("agent", help="follow a published root and keep an engine current")
+    sp.add_argument("--root", required=True, help="the published directory (shared filesystem)")
+    sp.add_argument("--local", required=True, help="host-local checkpoint directory")
+    sp.add_argument("--engine", default="reference",
+                    help="adapter kind (reference, vllm, sglang, ...) or 'none' for only the checkpoint")
+    sp.add_argument("--url", default=None, help="the engine's URL")
+    sp.add_argument("--api-key", default=None)
+    sp.add_argument("--interval", type=float, default=0.5, help="seconds between polls of `latest`")
+    sp.add_argument("--once", action="store_true", help="one round, then exit")
+    sp.add_argument("--until", type=int, default=None, help="exit once the engine is at this version")
+    sp.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    sp.add_argument("--before-read", default=None, help="'module:function' called before each read")
+    sp.add_argument("--fsync", action="store_true", help="flush the local checkpoint on every change")
+    sp.set_defaults(fn=_agent)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Adapter `sglang`: drives an SGLang 0.5.23 server through its own weight-update routes
+(engine-protocols.md section 1). Nothing of SGLang is imported.
+
+Routes: pause `/pause_generation` (abort | retract | in_place), resume `/continue_generation`,
+health `/health` + `GET /model_info` (weight_version), commit `/flush_cache` +
+`/update_weight_version`, disk `/update_weights_from_disk`, colocated `/update_weights_from_tensor`
+(transport `sglang_tensor`), disaggregated `/init_weights_update_group` +
+`/update_weights_from_distributed` + `/destroy_weights_update_group` (core transport `collective`).
+
+Verification is acknowledgement-based. SGLang stages nothing and cannot hash what it loaded: it
+loads every bucket as it arrives and answers `success`. So `end()` returns the sender's digest of
+exactly the buckets SGLang acknowledged with `success: true`; a bucket it refused or never answered
+is missing, and the pipeline then fails the engine. A failed round leaves SGLang partially updated
+(its own words: "Please discard the whole weights"); the weight version is not advanced, so the
+next push resends everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import requests
+from pydantic import BaseModel, ConfigDict, Field
+from weightsync.errors import ConfigError, EngineError
+from weightsync.httpclient import auth_headers, call, error_text
+from weightsync.interfaces import Adapter, EngineStatus
+
+from .versions import from_sglang, to_sglang
+
+log = logging.getLogger(__name__)
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class SGLangOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size of the server: its ranks in a "
+                                              "collective group and its entries per tensor update")
+    timeout: float = Field(30.0, gt=0, description="seconds for control calls (health, pause, commit)")
+    update_timeout: float = Field(600.0, gt=0, description="seconds for one weight update call "
+                                                           "(one bucket, a disk reload, a group join)")
+    pause_mode: PauseMode | None = Field(None, description="this engine's pause mode; overrides "
+                                                           "sync.pause_mode")
+    flush_cache: bool = Field(True, description="flush the radix cache when a version is committed")
+    abort_all_requests: bool = Field(False, description="disk reloads: abort running requests first")
+    load_format: str | None = Field(None, description="disk reloads: SGLang load_format (null: the "
+                                                      "server's own)")
+    health_route: Literal["/health", "/health_generate"] = "/health"
+    version_prefix: str = Field("", description="weight_version is f'{prefix}{version}'")
+
+
+class SGLangAdapter(Adapter):
+    name = "sglang"
+    Options = SGLangOptions
+    capabilities = frozenset({"group", "sglang_tensor", "disk"})
+    encodings = frozenset({"raw", "cast"})   # SGLang loads the tensors it is given, as they are
+    pause_modes = ("abort", "retract", "in_place")
+    layout = "flat"                          # flattened_bucket: the payload's data section
+
+    def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
+        super().__init__(options, engine)
+        self.session = requests.Session()
+        self.headers = auth_headers(self.engine.api_key)
+        self.base = self.engine.url.rstrip("/")
+        self._acked: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._mode: str | None = None
+
+    # -- HTTP ---------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+                 params: Mapping[str, Any] | None = None) -> requests.Response:
+        return call(self.session, self.engine_name, method, self.base + path,
+                    timeout=timeout or self.options.timeout, ok=(200, 400), headers=self.headers,
+                    json=body, params=params)
+
+    def _post(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """POST a weight route; SGLang answers {"success", "message"} (200 or 400). A refusal is
+        raised with SGLang's own message."""
+        resp = self._request("POST", path, dict(body), timeout)
+        try:
+            out = resp.json()
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            raise EngineError(self.engine_name, f"POST {path} -> HTTP {resp.status_code}: "
+                                                f"{error_text(resp)}")
+        if resp.status_code != 200 or out.get("success") is False:
+            raise EngineError(self.engine_name, f"SGLang refused POST {path}: "
+                                                f"{out.get('message') or error_text(resp)}")
+        return out
+
+    # -- control --------------------------------------------------------------------------------
+    def health(self) -> EngineStatus:
+        resp = self._request("GET", self.options.health_route)
+        if resp.status_code != 200:
+            raise EngineError(self.engine_name, f"{self.options.health_route} -> HTTP "
+                                                f"{resp.status_code}: {error_text(resp)}")
+        resp = self._request("GET", "/model_info")
+        try:
+            info = resp.json() if resp.status_code == 200 else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise EngineError(self.engine_name, f"GET /model_info -> HTTP {resp.status_code}: "
+                                                f"{error_text(resp)}")
+        try:
+            version = from_sglang(info.get("weight_version"), self.options.version_prefix)
+        except ValueError as e:
+            raise EngineError(self.engine_name, str(e)) from None
+        return EngineStatus(version, self._mode is not None, info)
+
+    def pause(self, mode: str) -> None:
+        mode = self.options.pause_mode or mode
+        if mode not in self.pause_modes:
+            raise ConfigError(f"adapter 'sglang' pauses with {list(self.pause_modes)}, not {mode!r}")
+        resp = self._request("POST", "/pause_generation", self.pause_body(mode))
+        if resp.status_code != 200:
+            raise EngineError(self.engine_name, f"POST /pause_generation -> HTTP "
+                                                f"{resp.status_code}: {error_text(resp)}")
+        self._mode = mode
+
+    def pause_body(self, mode: str) -> dict[str, Any]:
+        """PauseGenerationReqInput."""
+        return {"mode": mode}
+
+    def resume(self) -> None:
+        resp = self._request("POST", "/continue_generation", {})
+        if resp.status_code != 200:
+            raise EngineError(self.engine_name, f"POST /continue_generation -> HTTP "
+                                                f"{resp.status_code}: {error_text(resp)}")
+        self._mode = None
+
+    # -- one update round -----------------------------------------------------------------------
+    def begin(self, version: int, plan: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._acked = {}
+
+    def _ack(self, header: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._acked[int(header["index"])] = str(header["digest"])
+
+    def end(self) -> dict[int, str]:
+        """The sender's digests of the buckets SGLang acknowledged (it cannot re-hash them)."""
+        with self._lock:
+            return dict(self._acked)
+
+    def _flush_on_commit(self) -> bool:
+        # in_place keeps running requests and their KV; SGLang's flush fails while a batch runs
+        return self.options.flush_cache and self._mode != "in_place"
+
+    def commit(self, version: int) -> None:
+        if self._flush_on_commit():
+            self.flush_cache()
+        self.set_weight_version(version)
+
+    def abort(self) -> None:
+        """SGLang cannot drop what it already loaded; the version stays where it was."""
+        with self._lock:
+            n = len(self._acked)
+            self._acked = {}
+        if n:
+            log.warning("engine %s: SGLang loaded %d bucket(s) of an aborted sync; its weights are "
+                        "partially updated until the next push completes", self.engine_name, n)
+
+    def flush_cache(self) -> None:
+        resp = self._request("POST", "/flush_cache")
+        if resp.status_code != 200:
+            raise EngineError(self.engine_name, f"SGLang refused POST /flush_cache: {resp.text.strip()}")
+
+    def version_body(self, version: int) -> dict[str, Any]:
+        """UpdateWeightVersionReqInput; requests keep running (we paused them ourselves)."""
+        return {"new_version": to_sglang(version, self.options.version_prefix),
+                "abort_all_requests": False}
+
+    def set_weight_version(self, version: int) -> None:
+        self._post("/update_weight_version", self.version_body(version))
+
+    # -- routes that load weights ---------------------------------------------------------------
+    def _update_flags(self) -> dict[str, Any]:
+        # flushing once at commit is enough; the version is set at commit, after verification
+        return {"flush_cache": False, "abort_all_requests": False, "weight_version": None}
+
+    def distributed_body(self, header: Mapping[str, Any]) -> dict[str, Any]:
+        """UpdateWeightsFromDistributedReqInput for one broadcast, from the transport's fields."""
+        tr = header.get("transport") or {}
+        if tr.get("layout") != "flat":
+            raise EngineError(self.engine_name, f"SGLang takes flattened_bucket broadcasts (layout "
+                                                f"'flat'), got layout {tr.get('layout')!r}")
+        tensors = tr["tensors"]
+        return {"names": [t["name"] for t in tensors], "dtypes": [t["dtype"] for t in tensors],
+                "shapes": [list(t["shape"]) for t in tensors], "group_name": tr["group_name"],
+                "load_format": "flattened_bucket", **self._update_flags()}
+
+    def announce(self, header: Mapping[str, Any]) -> None:
+        """Collective: blocks while the trainer broadcasts this bucket to the group."""
+        self._post("/update_weights_from_distributed", self.distributed_body(header),
+                   timeout=self.options.update_timeout)
+        self._ack(header)
+
+    def tensor_body(self, serialized: list[str]) -> dict[str, Any]:
+        """UpdateWeightsFromTensorReqInput: one serialized flattened bucket per TP rank."""
+        if len(serialized) != self.options.tp_size:
+            raise ValueError(f"{len(serialized)} serialized entries for tp_size {self.options.tp_size}")
+        return {"serialized_named_tensors": serialized, "load_format": "flattened_bucket",
+                **self._update_flags()}
+
+    def update_from_tensor(self, serialized: list[str], header: Mapping[str, Any]) -> None:
+        """Colocated (transport `sglang_tensor`): SGLang maps the shared tensors and loads them."""
+        self._post("/update_weights_from_tensor", self.tensor_body(serialized),
+                   timeout=self.options.update_timeout)
+        self._ack(header)
+
+    def disk_body(self, path: str, version: int) -> dict[str, Any]:
+        """UpdateWeightFromDiskReqInput for a host-local checkpoint directory."""
+        return {"model_path": str(path), "load_format": self.options.load_format,
+                "flush_cache": self.options.flush_cache,
+                "abort_all_requests": self.options.abort_all_requests,
+                "weight_version": to_sglang(version, self.options.version_prefix)}
+
+    def load_from_disk(self, path: str, version: int) -> None:
+        """Capability "disk": SGLang reloads every weight from `path` and takes `version` (it
+        reloads the previous path itself if loading fails)."""
+        self._post("/update_weights_from_disk", self.disk_body(path, version),
+                   timeout=self.options.update_timeout)
+
+    # -- collective group -------------------------------------------------------------------------
+    def group_size(self) -> int:
+        return self.options.tp_size
+
+    def join_body(self, info: Mapping[str, Any]) -> dict[str, Any]:
+        keys = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
+        return {k: info[k] for k in keys}
+
+    def join_group(self, info: Mapping[str, Any]) -> None:
+        """Blocking: every TP rank joins at rank_offset + tp_rank."""
+        self._post("/init_weights_update_group", self.join_body(info),
+                   timeout=self.options.update_timeout)
+
+    def leave_body(self, info: Mapping[str, Any]) -> dict[str, Any]:
+        """DestroyWeightsUpdateGroupReqInput."""
+        return {"group_name": info["group_name"]}
+
+    def leave_group(self, info: Mapping[str, Any]) -> None:
+        if info.get("group_name"):
+            self._post("/destroy_weights_update_group", self.leave_body(info))
+
+    def close(self) -> None:
+        self.session.close()

@@ -1,0 +1,249 @@
+"""Adapter `vllm`: drives a live vLLM server (OpenAI entrypoint, VLLM_SERVER_DEV_MODE=1) over
+vLLM's native weight-transfer routes. With the server's `weightsync` backend it takes every
+weightsync transport: http (the payload base64-inlined in /update_weights), shm (announce),
+collective (the worker joins the trainer's group) and disk (reload a checkpoint directory).
+It can also drive vLLM's own `nccl` / `ipc` backends (`native_*`, bodies from `native.py`)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import requests
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from weightsync.errors import EngineError
+from weightsync.httpclient import auth_headers, call, json_of
+from weightsync.interfaces import Adapter, Endpoint, EngineStatus
+
+log = logging.getLogger(__name__)
+
+FLAG = "--weight-transfer-config '{\"backend\": \"weightsync\"}'"
+
+
+class VllmOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    timeout: float = Field(30.0, gt=0, description="seconds for control calls")
+    payload_timeout: float = Field(600.0, gt=0, description="seconds for a payload, join, pause(wait) or finish")
+    reset_prefix_cache: bool = Field(True, description="drop cached prefixes after new weights land")
+    group_size: int | None = Field(None, ge=1, description="ranks in a collective group; None: ask /get_world_size")
+
+
+def render_update_weights(header: dict[str, Any], body: torch.Tensor) -> tuple[list[Any], str]:
+    """The http transport's payload as vLLM's JSON /update_weights body, built as parts (the
+    base64 text is the only copy): {"update_info": {"header": {...}, "body_b64": "..."}}."""
+    data = memoryview(body.contiguous().numpy()) if body.numel() else b""
+    head = b'{"update_info":{"header":' + json.dumps(header, separators=(",", ":")).encode() + b',"body_b64":"'
+    return [head, base64.b64encode(data), b'"}}'], "application/json"
+
+
+class VllmAdapter(Adapter):
+    name = "vllm"
+    Options = VllmOptions
+    capabilities = frozenset({"http", "announce", "group", "disk"})
+    encodings = None                    # the weightsync backend decodes any encoding
+    pause_modes = ("abort", "wait", "keep")
+    layout = "safetensors"
+
+    def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
+        super().__init__(options, engine)
+        self.session = requests.Session()
+        self.headers = auth_headers(self.engine.api_key)
+        self.base = self.engine.url.rstrip("/")
+        self._engine_version: int | None = None
+        self._group_size: int | None = self.options.group_size
+        self._order = threading.Condition()
+        self._next_index = 0        # the bucket whose announce goes out next
+
+    # -- HTTP ---------------------------------------------------------------------------------
+    def _call(self, method: str, path: str, *, body: Any = None, params: Any = None,
+              timeout: float | None = None) -> Any:
+        try:
+            resp = call(self.session, self.engine_name, method, self.base + path,
+                        timeout=timeout or self.options.timeout, params=params,
+                        json=body if method == "POST" else None, headers=self.headers)
+        except EngineError as e:
+            raise self._explain(e, path) from None
+        return json_of(resp, self.engine_name)
+
+    def _explain(self, e: EngineError, path: str) -> EngineError:
+        d = e.detail
+        if "HTTP 404" in d:
+            hint = (f"route {path} does not exist: start the vLLM server with VLLM_SERVER_DEV_MODE=1 "
+                    f"(vLLM >= 0.32 serves the weight-transfer and pause routes only in dev mode)")
+        elif "Weight transfer not configured" in d or "weight_transfer_config" in d:
+            hint = f"the vLLM server has no weight-transfer backend: start it with {FLAG}"
+        elif "Invalid init_info" in d or "Invalid update_info" in d:
+            hint = f"the vLLM server runs another weight-transfer backend: start it with {FLAG}"
+        elif "weightsync_state" in d and "not implemented" in d:
+            hint = f"the weightsync backend is not loaded in the vLLM workers: start the server with {FLAG}"
+        else:
+            return e
+        return type(e)(self.engine_name, f"{d}\n  -> {hint}")
+
+    def _post(self, path: str, body: Any = None, timeout: float | None = None, params: Any = None) -> Any:
+        return self._call("POST", path, body=body if body is not None else {}, params=params, timeout=timeout)
+
+    def _init(self, init_info: Mapping[str, Any], timeout: float | None = None) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": dict(init_info)},
+                   timeout or self.options.payload_timeout)
+
+    # -- control ------------------------------------------------------------------------------
+    def health(self) -> EngineStatus:
+        self._call("GET", "/health")
+        raw = (self._call("GET", "/weight_info") or {}).get("weight_version")
+        version = _parse_version(raw)
+        self._engine_version = version
+        return EngineStatus(version, False, {"weight_version": raw})
+
+    def is_paused(self) -> bool:
+        return bool((self._call("GET", "/is_paused") or {}).get("is_paused"))
+
+    def pause(self, mode: str) -> None:
+        if mode not in self.pause_modes:
+            raise ValueError(f"pause mode {mode!r}: vLLM takes one of {list(self.pause_modes)}")
+        self._post("/pause", params={"mode": mode}, timeout=self.options.payload_timeout)
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def begin(self, version: int, plan: Mapping[str, Any]) -> None:
+        with self._order:
+            self._next_index = 0
+        info: dict[str, Any] = {"plan": dict(plan), "version": int(version)}
+        if self._engine_version is not None:
+            info["engine_version"] = self._engine_version
+        self._init(info)
+        try:
+            self._post("/start_weight_update", timeout=self.options.payload_timeout)
+        except EngineError as e:
+            if "already active" not in e.detail:
+                raise
+            self.abort()                  # a previous round died between start and finish
+            self._post("/start_weight_update", timeout=self.options.payload_timeout)
+
+    def end(self) -> dict[int, str]:
+        body = self._post("/collective_rpc", {"method": "weightsync_state",
+                                              "timeout": self.options.payload_timeout},
+                          timeout=self.options.payload_timeout) or {}
+        results = body.get("results") if isinstance(body, dict) else None
+        if not results or not all(isinstance(r, dict) and "digests" in r for r in results):
+            raise EngineError(self.engine_name, f"weightsync_state answered without digests: {body}")
+        per_rank = [{int(k): str(v) for k, v in r["digests"].items()} for r in results]
+        if any(d != per_rank[0] for d in per_rank[1:]):
+            raise EngineError(self.engine_name, "the workers staged different bytes: "
+                              f"{[r.get('rank') for r in results]} disagree on the round's digests")
+        return per_rank[0]
+
+    def commit(self, version: int) -> None:
+        self._post("/finish_weight_update", {"weight_version": str(int(version))},
+                   timeout=self.options.payload_timeout)
+        self._engine_version = int(version)
+        if self.options.reset_prefix_cache:
+            try:     # cached prefixes hold KV computed with the old weights
+                self._post("/reset_prefix_cache")
+            except EngineError as e:
+                log.warning("engine %s: reset_prefix_cache failed: %s", self.engine_name, e)
+
+    def abort(self) -> None:
+        """Drop the staged round: mark it aborted, then close vLLM's session (finish loads
+        nothing for an aborted round). Either call fails harmlessly when no round is open."""
+        for path, body in (("/update_weights", {"update_info": {"abort": True}}),
+                           ("/finish_weight_update", {})):
+            try:
+                self._post(path, body, timeout=self.options.payload_timeout)
+            except EngineError as e:
+                log.info("engine %s: %s during abort: %s", self.engine_name, path, e.detail)
+
+    # -- transports ---------------------------------------------------------------------------
+    def payload_endpoint(self) -> Endpoint:
+        return Endpoint(self.base + "/update_weights", dict(self.headers),
+                        self.options.payload_timeout, render=render_update_weights)
+
+    def announce(self, header: Mapping[str, Any]) -> None:
+        """One out-of-band payload. Announces leave in bucket order, each after the previous one
+        returned: a transport keeps two in flight, and two concurrent HTTP requests can reach
+        vLLM's engine in either order, while the worker must take the broadcasts in the order
+        rank 0 sends them (a swap hands bucket i's bytes to bucket i+1's receive)."""
+        index = int(header.get("index", 0))
+        with self._order:
+            if not self._order.wait_for(lambda: index <= self._next_index,
+                                        timeout=self.options.payload_timeout):
+                raise EngineError(self.engine_name, f"bucket {index} was announced, but bucket "
+                                  f"{self._next_index} never was; the round is incomplete")
+        try:
+            self._post("/update_weights", {"update_info": {"header": dict(header)}},
+                       timeout=self.options.payload_timeout)
+        finally:
+            with self._order:
+                self._next_index = max(self._next_index, index + 1)
+                self._order.notify_all()
+
+    def group_size(self) -> int:
+        if self._group_size is None:
+            body = self._call("GET", "/get_world_size") or {}
+            self._group_size = int(body.get("world_size", 1))
+        return self._group_size
+
+    def join_group(self, info: Mapping[str, Any]) -> None:
+        self._init({"join": dict(info)})
+
+    def leave_group(self, info: Mapping[str, Any]) -> None:
+        try:
+            self._init({"leave": dict(info)}, timeout=self.options.timeout)
+        except EngineError as e:
+            log.info("engine %s: leaving group failed: %s", self.engine_name, e.detail)
+
+    def load_from_disk(self, path: str, version: int) -> None:
+        """Reload a whole checkpoint directory on the engine's host and set `version`. With the
+        weightsync backend every name and shape is checked before anything loads (and the delta
+        base moves to the new checkpoint); otherwise vLLM's own reload_weights does it."""
+        try:
+            self._init({"version": int(version), "load_from_disk": {"path": str(path)}})
+        except EngineError as e:
+            if "start it with" not in e.detail:
+                raise
+            self._post("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": str(path), "is_checkpoint_format": True},
+                                           "timeout": self.options.payload_timeout},
+                       timeout=self.options.payload_timeout)
+        self._post("/update_weight_version", {"new_version": str(int(version))})
+        self._engine_version = int(version)
+
+    # -- vLLM's own backends (nccl, ipc): bodies from weightsync_vllm.native --------------------
+    def native_init(self, init_info: Mapping[str, Any]) -> None:
+        """POST /init_weight_transfer_engine; for nccl it blocks until the trainer joins, so
+        call it from a thread while rank 0 builds its group."""
+        self._post("/init_weight_transfer_engine", {"init_info": dict(init_info)},
+                   timeout=self.options.payload_timeout)
+
+    def native_start(self) -> None:
+        self._post("/start_weight_update", timeout=self.options.payload_timeout)
+
+    def native_update(self, update_info: Mapping[str, Any] | list[Mapping[str, Any]]) -> None:
+        """One /update_weights chunk (nccl: from a thread, while rank 0 broadcasts)."""
+        body = [dict(u) for u in update_info] if isinstance(update_info, list) else dict(update_info)
+        self._post("/update_weights", {"update_info": body}, timeout=self.options.payload_timeout)
+
+    def native_finish(self, version: int | None) -> None:
+        self._post("/finish_weight_update",
+                   {"weight_version": str(int(version))} if version is not None else {},
+                   timeout=self.options.payload_timeout)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _parse_version(raw: Any) -> int:
+    """vLLM's weight_version is a free string (None until set); weightsync writes integers."""
+    if raw is None or raw == "":
+        return 0
+    try:
+        return int(str(raw))
+    except ValueError:
+        digits = "".join(c for c in str(raw).rsplit("-", 1)[-1].rsplit("_", 1)[-1] if c.isdigit())
+        return int(digits) if digits else 0

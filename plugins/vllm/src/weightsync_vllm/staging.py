@@ -1,0 +1,174 @@
+"""The engine half of a round inside a vLLM worker, free of vLLM imports so it is testable alone.
+
+vLLM's live parameters are not in checkpoint format (on CPU the linear weights are packed into
+oneDNN handles and `weight` is an empty tensor; on GPU q/k/v are fused), so the receiver checks
+names and shapes against the *checkpoint* the server loaded (its safetensors headers), keeps the
+last committed checkpoint-format tensors as the delta base, and stages a whole round before a
+single layerwise reload applies it."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from weightsync.bucket import digest_tensors, dtype_from_name
+from weightsync.config import ComponentRef, build_options
+from weightsync.errors import PayloadError
+from weightsync.interfaces import Encoding, Payload, TransportReceiver
+from weightsync.receiver import check_tensor
+
+_ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (names, dtypes, shapes) without reading its data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise PayloadError(f"the weightsync backend needs the served model as a local directory; "
+                           f"{model_dir!r} is not one (serve a downloaded snapshot by path)")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise PayloadError(f"model directory {model_dir} holds no *.safetensors files")
+    return files
+
+
+class CheckpointIndex:
+    """What the engine's checkpoint holds, by Hugging Face name: dtype and shape from the file
+    headers, and each tensor's current value (last committed, else read from the file)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.files: dict[str, Path] = {}
+        self.live: dict[str, torch.Tensor] = {}
+        self.rebase(model_dir)
+
+    def rebase(self, model_dir: str | Path) -> None:
+        """Point at a (new) checkpoint directory; forget committed values."""
+        specs, files = {}, {}
+        for f in checkpoint_files(model_dir):
+            for name, info in read_safetensors_header(f).items():
+                specs[name] = (dtype_from_name(_ST_TO_TORCH[info["dtype"]]), tuple(info["shape"]))
+                files[name] = f
+        self.specs, self.files, self.live = specs, files, {}
+
+    # WeightStore-like surface used by core's check_tensor
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        """A meta tensor with the checkpoint's dtype and shape (for checks; no data read)."""
+        spec = self.specs.get(name)
+        return None if spec is None else torch.empty(spec[1], dtype=spec[0], device="meta")
+
+    def current(self, name: str) -> torch.Tensor | None:
+        """The engine's value of `name` in checkpoint format: the delta base."""
+        if name in self.live:
+            return self.live[name]
+        if name not in self.files:
+            return None
+        from safetensors import safe_open
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def check(self, name: str, t: torch.Tensor) -> None:
+        check_tensor(self, name, t)
+
+
+def build_encoding(ref: Mapping[str, Any], components: Any) -> Encoding:
+    r = ComponentRef.model_validate(ref)
+    cls = components.encodings.get(r.kind)
+    return cls(build_options(cls, r, "encoding"))
+
+
+def build_receiver(ref: Mapping[str, Any], components: Any) -> TransportReceiver:
+    r = ComponentRef.model_validate(ref)
+    cls = components.transports.get(r.kind)
+    if cls.receiver is None:
+        raise PayloadError(f"transport {r.kind!r} has no receiving half for a vLLM engine")
+    return cls.receiver(build_options(cls, r, "transport"))
+
+
+class Round:
+    """One update round: every bucket is received, decoded, checked (names, shapes, dtypes,
+    digest) and staged; nothing reaches the model until `tensors()` is loaded at finish."""
+
+    def __init__(self, index: CheckpointIndex, encoding: Encoding, rx: TransportReceiver,
+                 version: int | None) -> None:
+        self.index = index
+        self.encoding = encoding
+        self.rx = rx
+        self.version = version
+        self.staged: dict[str, torch.Tensor] = {}
+        self.digests: dict[int, str] = {}
+        self.last_index: int | None = None
+        self.aborted = False
+
+    def stage(self, header: Mapping[str, Any], body: memoryview | None) -> str:
+        buf = self.rx.receive(header, body)
+        try:
+            payload = Payload.from_header(header, buf)
+            decoded = dict(self.encoding.decode(payload, self.index.current))
+            order = [s.name for s in payload.specs]
+            if set(decoded) != set(order):
+                raise PayloadError(f"bucket {payload.index}: decoded tensors {sorted(decoded)} "
+                                   f"differ from the header's {sorted(order)}")
+            named = [(n, decoded[n]) for n in order]
+            for n, t in named:
+                self.index.check(n, t)
+            got = digest_tensors(named)
+            if got != payload.digest:
+                raise PayloadError(f"bucket {payload.index} (tensors {order[0]!r}..): digest {got} "
+                                   f"does not match the sender's {payload.digest}; the payload was "
+                                   f"corrupted in transit and nothing was applied")
+            for n, t in named:
+                self.staged[n] = t.clone()
+            self.digests[payload.index] = got
+            if payload.last:
+                self.last_index = payload.index
+            return got
+        finally:
+            self.rx.release(header)
+
+    def end(self) -> dict[int, str]:
+        if self.last_index is None:
+            raise PayloadError("the round ended before the last bucket arrived")
+        missing = sorted(set(range(self.last_index + 1)) - set(self.digests))
+        if missing:
+            raise PayloadError(f"buckets {missing} never arrived")
+        return dict(self.digests)
+
+
+def read_checkpoint(index: CheckpointIndex, model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, each checked against the served model first."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    named: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(model_dir):
+        try:
+            tensors = load_file(f)
+        except (SafetensorError, OSError) as e:
+            raise PayloadError(f"checkpoint file {f} cannot be read ({e}); nothing was loaded") from None
+        for n, t in tensors.items():
+            if n in named:
+                raise PayloadError(f"tensor {n!r} appears in two files of {model_dir}")
+            index.check(n, t)
+            named[n] = t
+    return named
+
+
+__all__ = ["CheckpointIndex", "Round", "build_encoding", "build_receiver", "read_checkpoint",
+           "read_safetensors_header"]

@@ -1,0 +1,206 @@
+"""Request building and engine-side staging, checked without a server: against vLLM's own
+request classes where vLLM is importable (its CPU build), else against the reference doc."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from weightsync.bucket import Bucket
+from weightsync.encodings.raw import RawEncoding
+from weightsync.errors import PayloadError
+from weightsync.transports.http import HttpReceiver, HttpTransport
+from weightsync_vllm import native
+from weightsync_vllm.adapter import VllmAdapter, _parse_version, render_update_weights
+from weightsync_vllm.staging import CheckpointIndex, Round
+from weightsync_vllm.testing import vllm_available
+
+HAVE_VLLM, WHY_NOT = vllm_available()
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=WHY_NOT or "vLLM is importable")
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    return [("model.embed_tokens.weight", torch.randn(16, 8).to(torch.bfloat16)),
+            ("model.norm.weight", torch.ones(8)),
+            ("lm_head.weight", torch.randn(16, 8).to(torch.bfloat16))]
+
+
+# -- vLLM's own backends ------------------------------------------------------------------------
+def test_nccl_init_info_matches_reference_doc() -> None:
+    body = native.nccl_init_info(master_address="10.0.0.5", master_port=29600, rank_offset=1,
+                                 world_size=3, packed=True, packed_buffer_size_bytes=1 << 30,
+                                 packed_num_buffers=2)
+    assert body == {"master_address": "10.0.0.5", "master_port": 29600, "rank_offset": 1,
+                    "world_size": 3, "packed": True, "packed_buffer_size_bytes": 1073741824,
+                    "packed_num_buffers": 2}
+    uid = native.nccl_init_info(nccl_unique_id=bytes(range(128)), rank_offset=2, world_size=3)
+    assert base64.b64decode(uid["nccl_unique_id_b64"]) == bytes(range(128))
+    assert "master_address" not in uid
+    with pytest.raises(ValueError, match="exactly one rendezvous"):
+        native.nccl_init_info(rank_offset=1, world_size=2)
+    with pytest.raises(ValueError, match="rank 0"):
+        native.nccl_init_info(master_address="h", master_port=1, rank_offset=0, world_size=2)
+
+
+def test_nccl_update_info_is_metadata_only() -> None:
+    body = native.nccl_update_info(_named())
+    assert body == {"names": ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"],
+                    "dtype_names": ["bfloat16", "float32", "bfloat16"],
+                    "shapes": [[16, 8], [8], [16, 8]]}
+    assert json.loads(json.dumps(body)) == body
+
+
+@needs_vllm
+def test_native_bodies_parse_with_vllms_own_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCWeightTransferInitInfo,
+        IPCWeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    init = NCCLWeightTransferInitInfo(**native.nccl_init_info(
+        master_address="127.0.0.1", master_port=29600, rank_offset=1, world_size=2))
+    assert init.packed and init.rank_offset == 1
+    NCCLWeightTransferInitInfo(**native.nccl_init_info(nccl_unique_id=b"\1" * 128, rank_offset=1,
+                                                       world_size=2))
+    upd = NCCLWeightTransferUpdateInfo(**native.nccl_update_info(_named()))
+    assert upd.dtype_names == ["bfloat16", "float32", "bfloat16"]
+    assert IPCWeightTransferInitInfo(**native.ipc_init_info(packed=True)).packed
+    # IPC over HTTP: handles go pickled; vLLM unpickles them only with the insecure flag
+    handles = [{"f1e2": (1, 2)}, {"f1e2": (3, 4)}, {"f1e2": (5, 6)}]
+    body = native.ipc_update_info(_named(), handles)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
+    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        IPCWeightTransferUpdateInfo(**body)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    parsed = IPCWeightTransferUpdateInfo(**body)
+    assert parsed.ipc_handles == handles and parsed.names[0] == "model.embed_tokens.weight"
+
+
+@needs_vllm
+@pytest.mark.filterwarnings("ignore:Tensor 't:UserWarning")   # vLLM's note on oversize tensors
+def test_packed_chunks_match_vllms_packer() -> None:
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+    sizes = [300, 500, 100, 900, 50, 50, 1200, 10]
+    named = [(f"t{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate(sizes)]
+    it = iter(named)
+    theirs = []
+    while (chunk := pack_tensors(it, lambda x: x[1], 800)) is not None:
+        theirs.append([int(n[1:]) for n in chunk.names])
+    assert native.packed_chunks(sizes, 800) == theirs
+
+
+def test_packed_chunks_keep_the_crossing_tensor() -> None:
+    assert native.packed_chunks([5, 5, 5], 7) == [[0, 1], [2]]
+    assert native.packed_chunks([10], 7) == [[0]]
+    assert native.packed_chunks([], 7) == []
+
+
+def test_ipc_handles_need_cuda() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        native.ipc_handles(_named())
+
+
+# -- the weightsync backend's requests --------------------------------------------------------
+def test_http_payload_renders_as_update_weights_json() -> None:
+    bucket = Bucket(0, _named(), last=True)
+    payload = RawEncoding().encode(bucket)
+    parts, ctype = render_update_weights(payload.header(), payload.body)
+    body = json.loads(b"".join(bytes(p) for p in parts))
+    assert ctype == "application/json" and set(body) == {"update_info"}
+    info = body["update_info"]
+    assert info["header"] == json.loads(json.dumps(payload.header()))
+    raw = base64.b64decode(info["body_b64"])
+    assert raw == bytes(payload.body.numpy())
+    assert isinstance(HttpReceiver(HttpTransport.Options()).receive(info["header"], memoryview(raw)),
+                      torch.Tensor)
+
+
+@needs_vllm
+def test_backend_infos_accept_what_the_adapter_sends() -> None:
+    from weightsync_vllm.backend import WeightSyncInitInfo, WeightSyncUpdateInfo
+    WeightSyncInitInfo(plan={"transport": {"kind": "http"}, "encoding": {"kind": "raw"}},
+                       version=3, engine_version=2)
+    WeightSyncInitInfo(join={"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                             "world_size": 2, "group_name": "g", "backend": "gloo"})
+    WeightSyncUpdateInfo(abort=True)
+    with pytest.raises(TypeError):
+        WeightSyncUpdateInfo(headers={})      # vLLM turns this into "Invalid update_info"
+
+
+@needs_vllm
+def test_general_plugin_registers_once() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from weightsync_vllm.vllm_plugin import register
+    register()
+    register()                                  # vLLM loads plugins in every process, maybe twice
+    assert WeightTransferEngineFactory._registry["weightsync"]().__name__ == "WeightSyncTransferEngine"
+
+
+def test_adapter_capabilities_and_version_parsing() -> None:
+    assert {"http", "announce", "group", "disk"} <= VllmAdapter.capabilities
+    assert VllmAdapter.pause_modes == ("abort", "wait", "keep")
+    assert _parse_version(None) == 0 and _parse_version("7") == 7 and _parse_version("step-12") == 12
+
+
+# -- staging inside the worker ----------------------------------------------------------------
+@pytest.fixture
+def index(tmp_path: Path) -> CheckpointIndex:
+    save_file(dict(_named()), str(tmp_path / "model.safetensors"))
+    return CheckpointIndex(tmp_path)
+
+
+def _round(index: CheckpointIndex) -> Round:
+    return Round(index, RawEncoding(), HttpReceiver(HttpTransport.Options()), 1)
+
+
+def _stage(r: Round, named: list[tuple[str, torch.Tensor]], index: int = 0, last: bool = True) -> str:
+    p = RawEncoding().encode(Bucket(index, named, last=last))
+    return r.stage(p.header(), memoryview(p.body.numpy()))
+
+
+def test_round_stages_checked_tensors(index: CheckpointIndex) -> None:
+    r = _round(index)
+    new = [(n, t + 1) for n, t in _named()]
+    d = _stage(r, new)
+    assert r.end() == {0: d}
+    assert all(torch.equal(r.staged[n], t) for n, t in new)
+    assert index.current("model.norm.weight").shape == (8,)      # base still the file's
+
+
+@pytest.mark.parametrize("bad, words", [
+    ([("model.norm.weightz", torch.ones(8))], ["model.norm.weightz", "model.norm.weight"]),
+    ([("model.norm.weight", torch.ones(9))], ["model.norm.weight", "[9]", "[8]"]),
+    ([("model.norm.weight", torch.ones(8, dtype=torch.float16))], ["float16", "cast"]),
+])
+def test_round_refuses_unknown_names_shapes_dtypes(index: CheckpointIndex, bad: list, words: list[str]) -> None:
+    r = _round(index)
+    with pytest.raises(PayloadError) as e:
+        _stage(r, bad)
+    for w in words:
+        assert w in str(e.value)
+    assert r.staged == {}
+
+
+def test_round_detects_corruption_and_missing_buckets(index: CheckpointIndex) -> None:
+    r = _round(index)
+    p = RawEncoding().encode(Bucket(0, _named()[:1], last=False))
+    body = bytearray(p.body.numpy().tobytes())
+    body[-1] ^= 0xFF
+    with pytest.raises(PayloadError, match="digest"):
+        r.stage(p.header(), memoryview(body))
+    _stage(r, _named()[1:], index=1, last=True)
+    with pytest.raises(PayloadError, match=r"buckets \[0\] never arrived"):
+        r.end()
+
+
+def test_index_needs_a_local_directory(tmp_path: Path) -> None:
+    with pytest.raises(PayloadError, match="local directory"):
+        CheckpointIndex("org/some-hub-model")
+    with pytest.raises(PayloadError, match="no \\*.safetensors"):
+        CheckpointIndex(tmp_path)
