@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import difflib
 import threading
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from .bucket import digest_tensors, dtype_name
 from .config import ComponentRef, build_options
 from .errors import PayloadError
-from .interfaces import Payload, TransportReceiver
+from .interfaces import Encoding, Payload, TransportReceiver
 
 
 class WeightStore(Protocol):
@@ -94,22 +94,54 @@ def check_tensor(store: WeightStore, name: str, t: torch.Tensor) -> torch.Tensor
     return live
 
 
+def build_encoding(ref: Mapping[str, Any], components: Any) -> Encoding:
+    """The encoding a plan names, built in the engine's process from its own registry."""
+    r = ComponentRef.model_validate(ref)
+    cls = components.encodings.get(r.kind)
+    return cls(build_options(cls, r, "encoding"))
+
+
+def build_receiver(ref: Mapping[str, Any], components: Any) -> TransportReceiver:
+    """The receiving half of the transport a plan names."""
+    r = ComponentRef.model_validate(ref)
+    cls = components.transports.get(r.kind)
+    if cls.receiver is None:
+        raise PayloadError(f"transport {r.kind!r} has no receiving half for this engine")
+    return cls.receiver(build_options(cls, r, "transport"))
+
+
+def decode_checked(encoding: Encoding, payload: Payload, current: Callable[[str], torch.Tensor | None],
+                   check: Callable[[str, torch.Tensor], Any]) -> list[tuple[str, torch.Tensor]]:
+    """Decode a payload into its tensors in header order, each checked by `check(name, t)`."""
+    decoded = dict(encoding.decode(payload, current))
+    order = [s.name for s in payload.specs]
+    if set(decoded) != set(order):
+        raise PayloadError(f"bucket {payload.index}: decoded tensors {sorted(decoded)} "
+                           f"differ from the header's {sorted(order)}")
+    named = [(n, decoded[n]) for n in order]
+    for n, t in named:
+        check(n, t)
+    return named
+
+
+def check_digest(payload: Payload, got: str) -> None:
+    if got != payload.digest:
+        first = payload.specs[0].name if payload.specs else "-"
+        raise PayloadError(f"bucket {payload.index} (tensors {first!r}..): digest {got} does not "
+                           f"match the sender's {payload.digest}; the payload was corrupted in "
+                           f"transit and nothing was applied")
+
+
 class ReceiveSession:
     """One update round inside an engine: begin -> apply* -> end -> commit | abort."""
 
     def __init__(self, store: WeightStore, plan: Mapping[str, Any], components: Any) -> None:
         self.store = store
         self.version = int(plan["version"])
-        enc_ref = ComponentRef.model_validate(plan["encoding"])
-        tr_ref = ComponentRef.model_validate(plan["transport"])
-        enc_cls = components.encodings.get(enc_ref.kind)
-        self.encoding = enc_cls(build_options(enc_cls, enc_ref, "encoding"))
+        self.encoding = build_encoding(plan["encoding"], components)
         if plan.get("engine_version") is not None:
             self.encoding.receiving(int(plan["engine_version"]))
-        tr_cls = components.transports.get(tr_ref.kind)
-        if tr_cls.receiver is None:
-            raise PayloadError(f"transport {tr_ref.kind!r} has no receiving half for this engine")
-        self.rx: TransportReceiver = tr_cls.receiver(build_options(tr_cls, tr_ref, "transport"))
+        self.rx: TransportReceiver = build_receiver(plan["transport"], components)
         self.staged: dict[str, torch.Tensor] = {}
         self.digests: dict[int, str] = {}
         self.last_index: int | None = None
@@ -134,14 +166,8 @@ class ReceiveSession:
         buf = self.rx.receive(header, body)
         try:
             payload = Payload.from_header(header, buf)
-            decoded = dict(self.encoding.decode(payload, self.store.get))
-            order = [s.name for s in payload.specs]
-            if set(decoded) != set(order):
-                raise PayloadError(f"bucket {payload.index}: decoded tensors {sorted(decoded)} "
-                                   f"differ from the header's {sorted(order)}")
-            named = [(n, decoded[n]) for n in order]
-            for n, t in named:
-                check_tensor(self.store, n, t)
+            named = decode_checked(self.encoding, payload, self.store.get,
+                                   lambda n, t: check_tensor(self.store, n, t))
             with self.lock:
                 if self.closed:
                     raise PayloadError(f"bucket {payload.index} arrived after the update round closed")
@@ -153,10 +179,7 @@ class ReceiveSession:
                 with self.lock:
                     self.busy -= 1
                     self.idle.notify_all()
-            if got != payload.digest:
-                raise PayloadError(f"bucket {payload.index} (tensors {order[0]!r}..): digest "
-                                   f"{got} does not match the sender's {payload.digest}; the payload "
-                                   f"was corrupted in transit and nothing was applied")
+            check_digest(payload, got)
             with self.lock:
                 for n, t in staged:
                     self.staged[n] = t

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+import weightsync_lmdeploy.adapter as adapter_mod
+
 from lmd_process import Standin
 from weightsync.config import EngineSpec
 from weightsync.interfaces import Adapter
@@ -20,6 +22,10 @@ class _LmdeployContract(AdapterContract):
 
     def start_engine(self, tmp_path: Path, model: dict[str, torch.Tensor]) -> tuple[EngineSpec, Any]:
         s = Standin(tmp_path, model).start()
+        # LMDeploy has no version route: the adapter remembers versions per URL in this process.
+        # A fresh engine on a port an earlier test's engine used is indistinguishable, so forget it.
+        with adapter_mod._versions_lock:
+            adapter_mod.versions.pop(s.url.rstrip("/"), None)
         self._standins = {**getattr(self, "_standins", {}), s.url: s}
         return EngineSpec(url=s.url, options=dict(self.options)), s.stop
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from weightsync.bucket import digest_tensors, dtype_from_name
-from weightsync.config import ComponentRef, build_options
 from weightsync.errors import PayloadError
 from weightsync.interfaces import Encoding, Payload, TransportReceiver
-from weightsync.receiver import check_tensor
+from weightsync.receiver import (build_encoding, build_receiver, check_digest, check_tensor,
+                                 decode_checked)
 
 _ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                 "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
@@ -88,20 +88,6 @@ class CheckpointIndex:
         check_tensor(self, name, t)
 
 
-def build_encoding(ref: Mapping[str, Any], components: Any) -> Encoding:
-    r = ComponentRef.model_validate(ref)
-    cls = components.encodings.get(r.kind)
-    return cls(build_options(cls, r, "encoding"))
-
-
-def build_receiver(ref: Mapping[str, Any], components: Any) -> TransportReceiver:
-    r = ComponentRef.model_validate(ref)
-    cls = components.transports.get(r.kind)
-    if cls.receiver is None:
-        raise PayloadError(f"transport {r.kind!r} has no receiving half for a vLLM engine")
-    return cls.receiver(build_options(cls, r, "transport"))
-
-
 class Round:
     """One update round: every bucket is received, decoded, checked (names, shapes, dtypes,
     digest) and staged; nothing reaches the model until `tensors()` is loaded at finish."""
@@ -121,19 +107,9 @@ class Round:
         buf = self.rx.receive(header, body)
         try:
             payload = Payload.from_header(header, buf)
-            decoded = dict(self.encoding.decode(payload, self.index.current))
-            order = [s.name for s in payload.specs]
-            if set(decoded) != set(order):
-                raise PayloadError(f"bucket {payload.index}: decoded tensors {sorted(decoded)} "
-                                   f"differ from the header's {sorted(order)}")
-            named = [(n, decoded[n]) for n in order]
-            for n, t in named:
-                self.index.check(n, t)
+            named = decode_checked(self.encoding, payload, self.index.current, self.index.check)
             got = digest_tensors(named)
-            if got != payload.digest:
-                raise PayloadError(f"bucket {payload.index} (tensors {order[0]!r}..): digest {got} "
-                                   f"does not match the sender's {payload.digest}; the payload was "
-                                   f"corrupted in transit and nothing was applied")
+            check_digest(payload, got)
             for n, t in named:
                 self.staged[n] = t.clone()
             self.digests[payload.index] = got
