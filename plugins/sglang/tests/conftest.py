@@ -21,7 +21,7 @@ from weightsync.testing.sample import sample_state_dict, write_weights_only_mode
 HERE = Path(__file__).parent
 STANDIN = HERE / "standin" / "sglang_standin.py"
 PLUGIN = HERE.parent
-REF_DIR = PLUGIN / ".sglang-ref"
+REF_DIR = Path(sys.prefix) / "sglang-ref"   # test-env state: inside the venv, outside the source tree
 SGLANG = "sglang==0.5.23"
 # what SGLang's weight-sync modules import beyond torch/numpy/pydantic/requests (all pure or
 # small wheels); --no-deps everywhere, into REF_DIR only: .venv (torch 2.13.0+cpu) is untouched
@@ -127,7 +127,7 @@ def _ref_ready() -> bool:
 
 @pytest.fixture(scope="session")
 def sglang_ref() -> Path:
-    """SGLang 0.5.23's own code in plugins/sglang/.sglang-ref (pip --no-deps --target): never
+    """SGLang 0.5.23's own code in <venv>/sglang-ref (pip --no-deps --target): never
     installed into .venv and never a dependency of the plugin."""
     if not _ref_ready():
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",

@@ -1,6 +1,6 @@
 """Checked against SGLang 0.5.23's own code (issue acceptance 3). The test setup installs
 `sglang==0.5.23` with --no-deps (plus orjson, msgspec, pybase64, ipython, traitlets) into
-plugins/sglang/.sglang-ref, never into .venv, and runs sglang_checks/check_with_sglang.py in a fresh
+<venv>/sglang-ref (a --target folder, not on the venv path), and runs sglang_checks/check_with_sglang.py in a fresh
 interpreter that sees it. There, SGLang's own request classes validate our bodies, SGLang's own
 MultiprocessingSerializer/SafeUnpickler decode our tensor payloads and SGLang's own
 _update_weights_from_flattened_bucket and FlattenedTensorBucket rebuild them. io_struct.py and
@@ -84,7 +84,7 @@ def checked(sglang_runner, tmp_path_factory) -> dict:
 
 def test_runs_sglang_0_5_23_on_our_torch(checked: dict) -> None:
     assert checked["sglang_version"] == "0.5.23"
-    assert checked["torch"] == torch.__version__          # .sglang-ref shadows nothing
+    assert checked["torch"] == torch.__version__          # sglang-ref shadows nothing
 
 
 def test_bodies_validate_as_sglang_request_classes(checked: dict) -> None:

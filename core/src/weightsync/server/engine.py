@@ -10,7 +10,7 @@ import torch
 
 from ..bucket import dtype_name
 from ..errors import PayloadError
-from ..receiver import ReceiveSession
+from ..receiver import ReceiveSession, check_tensor, read_checkpoint
 from .model import LoadedModel
 
 
@@ -113,31 +113,9 @@ class ReferenceEngine:
         """Reload weights from every *.safetensors in `path` (a host-local checkpoint the disk
         agent keeps) and set `version`. Everything is read and checked first, then applied under
         the model lock in one step, so any error leaves the engine untouched at its version."""
-        from pathlib import Path
-
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        from ..receiver import check_tensor
         if int(version) < 0:
             raise PayloadError(f"version {version} is negative")
-        folder = Path(path)
-        if not folder.is_dir():
-            raise PayloadError(f"checkpoint directory {path} does not exist on the engine's host")
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise PayloadError(f"checkpoint directory {path} holds no *.safetensors files")
-        named: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                tensors = load_file(f)
-            except (SafetensorError, OSError) as e:
-                raise PayloadError(f"checkpoint file {f} cannot be read ({e}); nothing was loaded") from None
-            for n, t in tensors.items():
-                if n in named:
-                    raise PayloadError(f"tensor {n!r} appears in two files of {path}")
-                check_tensor(self.model.store, n, t)
-                named[n] = t
+        named = read_checkpoint(path, lambda n, t: check_tensor(self.model.store, n, t))
         with self.session_lock:
             if self.session is not None:
                 raise Conflict("an update round is open; finish or abort it before reloading from disk")

@@ -1,5 +1,5 @@
 """Runs in a fresh interpreter with SGLang 0.5.23's own code on PYTHONPATH (installed with
---no-deps into plugins/sglang/.sglang-ref by the test setup). Reads a job (JSON) from argv[1],
+--no-deps into <venv>/sglang-ref by the test setup). Reads a job (JSON) from argv[1],
 checks our bodies and payloads with SGLang's code, prints a JSON result.
 
 What is SGLang's own code here, and what cannot be imported without CUDA-era dependencies:

@@ -31,8 +31,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weightsync.errors import PayloadError
+from weightsync.receiver import read_checkpoint
 
-from .staging import CheckpointIndex, Round, build_encoding, build_receiver, read_checkpoint
+from .staging import CheckpointIndex, Round, build_encoding, build_receiver
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -122,7 +123,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def _load_from_disk(self, path: str) -> None:
         if self.round is not None:
             raise PayloadError("an update round is open; finish or abort it before reloading from disk")
-        named = read_checkpoint(self.index, path)     # every name and shape checked first
+        named = read_checkpoint(path, self.index.check)     # every name and shape checked first
         self._load(named)
         self.index.live.update(named)                 # the delta base is now that checkpoint
         self.committed = self.next_version

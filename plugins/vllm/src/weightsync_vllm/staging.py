@@ -128,23 +128,4 @@ class Round:
         return dict(self.digests)
 
 
-def read_checkpoint(index: CheckpointIndex, model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory, each checked against the served model first."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    named: dict[str, torch.Tensor] = {}
-    for f in checkpoint_files(model_dir):
-        try:
-            tensors = load_file(f)
-        except (SafetensorError, OSError) as e:
-            raise PayloadError(f"checkpoint file {f} cannot be read ({e}); nothing was loaded") from None
-        for n, t in tensors.items():
-            if n in named:
-                raise PayloadError(f"tensor {n!r} appears in two files of {model_dir}")
-            index.check(n, t)
-            named[n] = t
-    return named
-
-
-__all__ = ["CheckpointIndex", "Round", "build_encoding", "build_receiver", "read_checkpoint",
-           "read_safetensors_header"]
+__all__ = ["CheckpointIndex", "Round", "build_encoding", "build_receiver", "read_safetensors_header"]
