@@ -39,7 +39,7 @@ def run_demo(engine: str = "reference", steps: int = 5, workdir: str | None = No
     spec, adapter, stop, generate = _launch(engine, model_dir, work)
     print(f"engine {spec['name']} ({engine}) is up at {spec['url']}; workdir {work}")
     config = {"adapter": adapter, "engines": [spec], "exporter": {"kind": "torch",
-              "options": {"bucket_bytes": "1MiB"}}}
+              "options": {"bucket_bytes": "256KiB"}}}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1)
     data = torch.randint(3, model.config.vocab_size, (8, 33))

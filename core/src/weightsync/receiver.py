@@ -121,6 +121,16 @@ def read_checkpoint(path: str | Path, check: Callable[[str, torch.Tensor], Any])
     return named
 
 
+def round_digests(digests: Mapping[int, str], last_index: int | None) -> dict[int, str]:
+    """The digests of a complete round, or an error naming what never arrived."""
+    if last_index is None:
+        raise PayloadError("the round ended before the last bucket arrived")
+    missing = sorted(set(range(last_index + 1)) - set(digests))
+    if missing:
+        raise PayloadError(f"buckets {missing} never arrived")
+    return dict(digests)
+
+
 def build_encoding(ref: Mapping[str, Any], components: Any) -> Encoding:
     """The encoding a plan names, built in the engine's process from its own registry."""
     r = ComponentRef.model_validate(ref)
@@ -218,12 +228,7 @@ class ReceiveSession:
         return got
 
     def end(self) -> dict[int, str]:
-        if self.last_index is None:
-            raise PayloadError("the round ended before the last bucket arrived")
-        missing = sorted(set(range(self.last_index + 1)) - set(self.digests))
-        if missing:
-            raise PayloadError(f"buckets {missing} never arrived")
-        return dict(self.digests)
+        return round_digests(self.digests, self.last_index)
 
     def commit(self) -> None:
         self.end()

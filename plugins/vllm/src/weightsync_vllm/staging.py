@@ -19,7 +19,7 @@ from weightsync.bucket import digest_tensors, dtype_from_name
 from weightsync.errors import PayloadError
 from weightsync.interfaces import Encoding, Payload, TransportReceiver
 from weightsync.receiver import (build_encoding, build_receiver, check_digest, check_tensor,
-                                 decode_checked)
+                                 decode_checked, round_digests)
 
 _ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                 "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
@@ -120,12 +120,7 @@ class Round:
             self.rx.release(header)
 
     def end(self) -> dict[int, str]:
-        if self.last_index is None:
-            raise PayloadError("the round ended before the last bucket arrived")
-        missing = sorted(set(range(self.last_index + 1)) - set(self.digests))
-        if missing:
-            raise PayloadError(f"buckets {missing} never arrived")
-        return dict(self.digests)
+        return round_digests(self.digests, self.last_index)
 
 
 __all__ = ["CheckpointIndex", "Round", "build_encoding", "build_receiver", "read_safetensors_header"]
