@@ -162,7 +162,6 @@ class WeightSync:
                 f"{o.engine}: {o.error}" for o in report.engines.values()), report)
 
         mode = self.settings.pause_mode
-        paused: list[Adapter] = []
         t_pause = time.perf_counter()
         with timed("pause"):
             _, fails = self._each(active, lambda a: a.pause(mode or a.pause_modes[0]))
@@ -253,9 +252,9 @@ class WeightSync:
                 o = report.engines[a.engine_name]
                 o.ok, o.stage, o.error = False, "send", f"sync aborted: {type(e).__name__}: {e}"
             self._each(begun, lambda a: a.abort())
-            if isinstance(e, KeyboardInterrupt) or not isinstance(e, (WeightSyncError, ValueError, TypeError)):
+            if not isinstance(e, (WeightSyncError, ValueError, TypeError)):
+                self.encoding.rollback()   # push() never sees this sync's outcome: forget it here
                 raise
-            self.encoding.rollback()
 
     def _stream(self, model: Any, name_map: NameMap | None, report: SyncReport,
                 active: list[Adapter], timed: Callable[[str], Any], publish: bool = False) -> list[Adapter]:

@@ -82,10 +82,8 @@ def packed_size(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, s
     return len(head) + sum(t.numel() * _itemsize(dt) for _, t, _, dt in placed)
 
 
-def unpack(buf: torch.Tensor | bytes | memoryview | bytearray) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
-    """Zero-copy views of the tensors in a safetensors-layout buffer, validating every offset."""
-    if not isinstance(buf, torch.Tensor):
-        buf = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+def read_header(buf: torch.Tensor) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(start of the data section, per-tensor header entries in file order, __metadata__)."""
     if buf.numel() < 8:
         raise PayloadError("payload is truncated: shorter than the 8-byte safetensors header length")
     (hlen,) = struct.unpack("<Q", bytes(buf[:8].cpu().numpy()))
@@ -96,7 +94,15 @@ def unpack(buf: torch.Tensor | bytes | memoryview | bytearray) -> tuple[list[tup
     except ValueError as e:
         raise PayloadError(f"payload header is not valid JSON ({e}); the payload is corrupted") from None
     meta = header.pop("__metadata__", {}) or {}
-    data = buf[8 + hlen:]
+    return 8 + hlen, header, meta
+
+
+def unpack(buf: torch.Tensor | bytes | memoryview | bytearray) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """Zero-copy views of the tensors in a safetensors-layout buffer, validating every offset."""
+    if not isinstance(buf, torch.Tensor):
+        buf = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    start, header, meta = read_header(buf)
+    data = buf[start:]
     out = []
     for name, info in header.items():
         try:

@@ -19,9 +19,7 @@ engines that did not answer are dropped and the group is built once more without
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -248,14 +246,11 @@ def _is_timeout(e: BaseException) -> bool:
 def body_layout(body: torch.Tensor) -> tuple[int, list[tuple[str, str, list[int], int, int]]]:
     """Start of the data section and (name, dtype, shape, start, end) per tensor in wire order,
     read from the payload's own safetensors header."""
-    from ..wire import _ST_NAMES
-    head = body[:8].cpu().numpy().tobytes()
-    (hlen,) = struct.unpack("<Q", head)
-    meta = json.loads(body[8: 8 + hlen].cpu().numpy().tobytes())
-    meta.pop("__metadata__", None)
+    from ..wire import _ST_NAMES, read_header
+    start, entries, _ = read_header(body)
     out = [(n, _ST_NAMES[v["dtype"]], list(v["shape"]), int(v["data_offsets"][0]), int(v["data_offsets"][1]))
-           for n, v in meta.items()]
-    return 8 + hlen, out
+           for n, v in entries.items()]
+    return start, out
 
 
 def split_payload(body: torch.Tensor, layout: str) -> list[tuple[torch.Tensor, str, list[dict[str, Any]]]]:

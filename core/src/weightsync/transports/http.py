@@ -11,6 +11,7 @@ import requests
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import EngineUnavailable, PayloadError
 from ..httpclient import Parts, call
 from ..interfaces import Adapter, Payload, Transport, TransportReceiver
 from ..wire import frame
@@ -29,7 +30,6 @@ class HttpReceiver(TransportReceiver):
         if body is None:
             raise ValueError("http transport: the payload body is missing from the request")
         if len(body) != int(header["nbytes"]):
-            from ..errors import PayloadError
             raise PayloadError(f"bucket {header['index']}: {len(body)} body bytes arrived, "
                                f"{header['nbytes']} were sent; the request was truncated")
         return torch.frombuffer(body, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
@@ -64,7 +64,6 @@ class HttpTransport(Transport):
                      headers={**ep.headers, "Content-Type": ctype})
                 return
             except Exception as e:
-                from ..errors import EngineUnavailable
                 if not isinstance(e, EngineUnavailable) or attempt == self.options.retries:
                     raise
 
