@@ -131,6 +131,38 @@ def baseline(state: dict[str, torch.Tensor], work: Path) -> dict[str, float]:
     return {"write_s": t_write, "load_s": t_load, "total_s": t_write + t_load}
 
 
+def summary(rows: list[dict]) -> list[dict]:
+    """Per version label without its repeat number, and lane: the median of each timing and of
+    the speedup, with the smallest and largest speedup."""
+    import statistics
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["label"].split(" #")[0] + ("" if r["lane"] == "default" else f" ({r['lane']})")
+                          if " #" in r["label"] else r["label"], []).append(r)
+    out = []
+    for label, rs in groups.items():
+        sp = [r["speedup_vs_full"] for r in rs]
+        out.append({"label": label, "n": len(rs), "density": statistics.median(r["density"] for r in rs),
+                    "wire_over_ideal": statistics.median(r["wire_over_ideal"] or 0 for r in rs),
+                    "publish_s": statistics.median(r["publish_s"] for r in rs),
+                    "pull_apply_s": statistics.median(r["pull_apply_s"] for r in rs),
+                    "full_ckpt_s": statistics.median(r["baseline"]["total_s"] for r in rs),
+                    "speedup_median": statistics.median(sp), "speedup_min": min(sp), "speedup_max": max(sp),
+                    "encode_over_memcpy": statistics.median(r["encode_over_memcpy"] or 0 for r in rs)})
+    return out
+
+
+def summary_table(result: dict) -> str:
+    lines = ["| version | n | density | wire / ideal | publish s | pull+apply s | full ckpt s | "
+             "speedup (median, min-max) | encode / memcpy |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["summary"]:
+        lines.append(f"| {r['label']} | {r['n']} | {r['density']:.3%} | {r['wire_over_ideal']:.2f} | "
+                     f"{r['publish_s']:.2f} | {r['pull_apply_s']:.2f} | {r['full_ckpt_s']:.2f} | "
+                     f"**{r['speedup_median']:.1f}x** ({r['speedup_min']:.1f}-{r['speedup_max']:.1f}) | "
+                     f"{r['encode_over_memcpy']:.3f} |")
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
     """The markdown table of the README."""
     b = result["baseline"]
@@ -157,6 +189,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1, help="real AdamW steps to publish")
     p.add_argument("--lr", type=float, default=1.5e-6, help="AdamW learning rate (RL-like)")
     p.add_argument("--densities", default="0.001,0.01,0.05,0.5")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="versions per synthetic density; the summary reports their median")
     p.add_argument("--workdir", default=None, help="a directory on the disk to measure (default: a temp dir)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--no-xor-off", dest="xor_off", action="store_false",
@@ -212,7 +246,8 @@ def main() -> int:
     prev = state
     del state
     plan = [f"adamw step {s + 1}" for s in range(args.steps)] + \
-        [f"synthetic {float(d):.1%}" for d in args.densities.split(",")]
+        [f"synthetic {float(d):.1%}" + (f" #{k + 1}" if args.repeat > 1 else "")
+         for d in args.densities.split(",") for k in range(args.repeat)]
     v = 1
     for label in plan:
         if label.startswith("adamw"):                     # a real optimizer step
@@ -282,8 +317,9 @@ def main() -> int:
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "torch": torch.__version__, "disk": str(work)},
               "ideal_definition": "changed elements x (2 value bytes + 4 int32 index bytes)",
-              "rows": rows}
+              "rows": rows, "summary": summary(rows)}
     print("\n" + table(result))
+    print("\n" + summary_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")

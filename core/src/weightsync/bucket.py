@@ -8,6 +8,8 @@ from typing import Iterable, Sequence
 import torch
 import xxhash
 
+from .parallel import map_threads
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -47,13 +49,25 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """xxh3-128 over names, dtypes, shapes and bytes: equal digests mean bit-equal tensors."""
-    h = xxhash.xxh3_128()
-    for name, t in named:
-        h.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode())
-        h.update(tensor_bytes(t))
+def tensor_digest(name: str, t: torch.Tensor) -> str:
+    """xxh3-128 over one tensor's name, dtype, shape and bytes."""
+    h = xxhash.xxh3_128(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode())
+    h.update(tensor_bytes(t))
     return h.hexdigest()
+
+
+def combine_digests(digests: Sequence[str]) -> str:
+    """A group's digest from its tensors' digests, in order (one tensor: its own digest)."""
+    if len(digests) == 1:
+        return digests[0]
+    return xxhash.xxh3_128("".join(digests).encode()).hexdigest()
+
+
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Equal digests mean bit-equal tensors (names, dtypes, shapes, bytes). Defined over the
+    per-tensor digests so the tensors hash in parallel, and so a sender that already has each
+    tensor's digest gets the group's for free."""
+    return combine_digests(map_threads(lambda nt: tensor_digest(*nt), named))
 
 
 @dataclass(frozen=True)

@@ -107,25 +107,45 @@ def test_gap_in_the_chain_falls_back_to_the_newest_full(tmp_path: Path, trainer:
     assert any("installed full version 4" in e for e in events)
 
 
-@pytest.mark.parametrize("where", ["shard", "shard+checksum"])
+def _sparse_array(root: Path, version: int, part: str) -> tuple[Path, int]:
+    """(shard path, absolute offset) of the `part` ("pos" or "val") array of the first tensor
+    the version ships as a sparse delta with changes."""
+    from weightsync_disk_delta.local import tensor_offsets
+    m = read_manifest(root, version)
+    name, t = next((n, t) for n, t in m["tensors"].items() if t["kind"] == "sparse" and t["changed"] > 8)
+    shard = root / "versions" / f"v{version:08d}" / t["shard"]
+    suffix = t["pos"] if part == "pos" else part
+    return shard, tensor_offsets(shard)[f"{name}::{suffix}"]["offset"]
+
+
+@pytest.mark.parametrize("where", ["shard", "values+checksum", "positions+checksum"])
 def test_flipped_byte_is_detected_and_never_applied(tmp_path: Path, trainer: Trainer, where: str) -> None:
+    """A flipped byte in a shard fails the shard's checksum before anything is written. One that
+    was flipped before the checksum was taken (`+checksum`) fails a tensor digest on the written
+    bytes: the local data is discarded before the version becomes current, and the newest full
+    version is installed again. Either way the local checkpoint stays at version 1."""
     root = tmp_path / "root"
     states: dict = {}
-    agent = Agent(root, tmp_path / "local", before_read=testing.record_hook)
+    events: list[str] = []
+    agent = Agent(root, tmp_path / "local", before_read=testing.record_hook, on_event=events.append)
     with WeightSync.from_config(publish_config(root)) as sync:
         _publish(trainer, sync, range(1, 2), states)
         assert agent.sync_local() == 1
         _publish(trainer, sync, range(2, 3), states)
-    m = read_manifest(root, 2)
-    shard = root / "versions" / "v00000002" / m["shards"][0]["file"]
-    data = bytearray(shard.read_bytes())
-    data[-3] ^= 0x40                                   # a byte of tensor data
+    shard, off = _sparse_array(root, 2, "pos" if where.startswith("positions") else "val")
+    good = shard.read_bytes()
+    data = bytearray(good)
+    data[off + 2] ^= 0x01                              # a low bit: positions stay in range
     shard.write_bytes(bytes(data))
-    if where == "shard+checksum":                      # corrupted before it was hashed
+    if where != "shard":                               # corrupted before it was hashed
         from weightsync_disk_delta.layout import file_digest
-        m["shards"][0]["xxh3"] = file_digest(bytes(data))
+        m = read_manifest(root, 2)
+        for s in m["shards"]:
+            if s["file"] == shard.name:
+                s["xxh3"] = file_digest(bytes(data))
         (root / "versions" / "v00000002" / "manifest.json").write_text(json.dumps(m))
-    match = "corrupted" if where == "shard" else "does not match its digest|corrupted"
+    match = {"shard": "shard .* is corrupted", "values+checksum": "do not match their digests",
+             "positions+checksum": "do not match their digests|escapes|run past"}[where]
     with pytest.raises(PayloadError, match=match):
         agent.sync_local()
     with agent.local.locked():
@@ -133,6 +153,53 @@ def test_flipped_byte_is_detected_and_never_applied(tmp_path: Path, trainer: Tra
         assert bit_equal(agent.local.tensors(), states[1]) == []
         assert agent.local.verify() == []
     assert str(root / "latest") in testing.HOOK_CALLS
+    shard.write_bytes(good)                            # the publisher's bytes come back
+    if where != "shard":
+        m = read_manifest(root, 2)
+        from weightsync_disk_delta.layout import file_digest
+        for s in m["shards"]:
+            if s["file"] == shard.name:
+                s["xxh3"] = file_digest(good)
+        (root / "versions" / "v00000002" / "manifest.json").write_text(json.dumps(m))
+    assert agent.sync_local() == 2 and bit_equal(agent.local.tensors(), states[2]) == []
+
+
+def test_local_bytes_that_are_not_the_base_are_caught_and_replaced(tmp_path: Path, trainer: Trainer) -> None:
+    """Bit rot in the host-local checkpoint, next to what a delta changes: the digest check on
+    the written bytes fails, the data is discarded, and the agent reaches the version from the
+    newest full one instead. The engine is never offered the bad bytes."""
+    root = tmp_path / "root"
+    states: dict = {}
+    events: list[str] = []
+    agent = Agent(root, tmp_path / "local", on_event=events.append)
+    with WeightSync.from_config(publish_config(root)) as sync:
+        _publish(trainer, sync, range(1, 2), states)
+        assert agent.sync_local() == 1
+        _publish(trainer, sync, range(2, 3), states)
+    m = read_manifest(root, 2)
+    name = next(n for n, t in m["tensors"].items() if t["kind"] == "sparse" and t["changed"])
+    info = agent.local.state()["tensors"][name]
+    data_file = agent.local.data_dir() / info["file"]
+    raw = bytearray(data_file.read_bytes())
+    changed = set(_changed_positions(root, 2, name))
+    pos = next(i for i in range(10**9) if i not in changed)
+    raw[info["offset"] + 2 * pos] ^= 0x01              # an element the delta does not touch
+    data_file.write_bytes(bytes(raw))
+    assert agent.sync_local() == 2
+    assert bit_equal(agent.local.tensors(), states[2]) == []
+    assert agent.local.verify() == []
+    assert any("do not match their digests" in e for e in events)
+    assert any("installed full version 1" in e for e in events)
+
+
+def _changed_positions(root: Path, version: int, name: str) -> list[int]:
+    from weightsync.wire import unpack
+    from weightsync_disk_delta.codec import sparse_parts
+    m = read_manifest(root, version)
+    t = m["tensors"][name]
+    shard = root / "versions" / f"v{version:08d}" / t["shard"]
+    arrays = dict(unpack(bytearray(shard.read_bytes()))[0])
+    return sparse_parts(name, t, arrays, t["dtype"], t["shape"])[0].tolist()
 
 
 @contextmanager

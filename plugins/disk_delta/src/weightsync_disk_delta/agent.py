@@ -1,6 +1,7 @@
 """The pull agent of a rollout host: follow `latest`, bring the host-local checkpoint to it (every
-delta after its own version, each shard and tensor digest checked before anything is written),
-then have the engine reload from that checkpoint through its adapter.
+delta after its own version; each shard's digest checked before anything is written, each changed
+tensor's digest checked on the written bytes before the version becomes current), then have the
+engine reload from that checkpoint through its adapter.
 
 A gap in the chain, a missing or corrupt file: fall back to the newest full version and its chain.
 A late joiner starts the same way. Several agents on one host share one local checkpoint: the
@@ -16,12 +17,13 @@ from typing import Any, Callable
 
 import torch
 
-from weightsync.bucket import digest_tensors
+from weightsync.bucket import tensor_digest
 from weightsync.errors import PayloadError, WeightSyncError
 from weightsync.interfaces import Adapter
+from weightsync.parallel import map_threads
 from weightsync.wire import unpack
 
-from .codec import apply_entry, sparse_parts
+from .codec import apply_entry, entry_changes
 from .layout import Hook, list_versions, read_latest, read_manifest, read_shard
 from .local import LocalCheckpoint
 
@@ -105,12 +107,15 @@ class Agent:
 
     def _install_full(self, m: dict[str, Any]) -> None:
         shards, arrays = self._load(m)
-        digests = {}
-        for name, t in m["tensors"].items():
+
+        def check(item: tuple[str, dict[str, Any]]) -> str:
+            name, t = item
             new, _, _ = apply_entry(name, t, arrays, None, t["dtype"], t["shape"])
-            if digest_tensors([(name, new)]) != t["digest"]:
+            if tensor_digest(name, new) != t["digest"]:
                 raise PayloadError(f"version {m['version']}: tensor {name!r} does not match its digest")
-            digests[name] = t["digest"]
+            return t["digest"]
+        items = list(m["tensors"].items())
+        digests = dict(zip((n for n, _ in items), map_threads(check, items)))
         self.local.install_full(m["version"], shards, digests)
         self.on_event(f"installed full version {m['version']}")
 
@@ -125,26 +130,27 @@ class Agent:
             raise PayloadError(f"version {v} names tensors the local checkpoint does not have: "
                                f"{sorted(set(m['tensors']) - set(state['tensors']))[:5]}")
         _, arrays = self._load(m)
-        changes: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        digests: dict[str, str] = {}
         for name, t in m["tensors"].items():
-            info = state["tensors"][name]
-            if t.get("base_digest") and t["base_digest"] != info["digest"]:
+            if t.get("base_digest") and t["base_digest"] != state["tensors"][name]["digest"]:
                 raise ChainBroken(f"version {v}: tensor {name!r} was made against other bytes than "
                                   f"the local version {state['version']} holds")
-            if t["kind"] == "sparse":                # checked by streaming the local bytes
-                idx, vals = sparse_parts(name, arrays, t["dtype"], t["shape"])
-                got = self.local.digest_patched(d, name, info, idx, vals)
-            else:
-                base = None if t["kind"] == "full" else self.local.read_tensor(d, info)
-                new, idx, vals = apply_entry(name, t, arrays, base, t["dtype"], t["shape"])
-                got = digest_tensors([(name, new)])
-            if got != t["digest"]:
-                raise PayloadError(f"version {v}: tensor {name!r} does not match its digest after "
-                                   f"applying the delta; the delta is corrupted and was not applied")
-            changes[name] = (None, new) if idx is None else (idx, vals)
-            digests[name] = t["digest"]
-        self.local.apply_changes(v, changes, digests)       # every check passed: now write
+
+        def prepare(item: tuple[str, dict[str, Any]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+            name, t = item
+            info = state["tensors"][name]
+            idx, vals = entry_changes(name, t, arrays, lambda: self.local.read_tensor(d, info),
+                                      t["dtype"], t["shape"])
+            if idx is not None and idx.numel() == 0 and t["digest"] != info["digest"]:
+                raise PayloadError(f"version {v}: tensor {name!r} is unchanged, but its digest "
+                                   f"differs from the local one; the manifest is corrupted")
+            return idx, vals
+
+        items = list(m["tensors"].items())
+        changes = {name: c for (name, _), c in zip(items, map_threads(prepare, items))
+                   if c[0] is None or c[0].numel()}
+        digests = {name: m["tensors"][name]["digest"] for name in changes}
+        # shards checked; the written bytes are checked against `digests` before state moves
+        self.local.apply_changes(v, changes, digests)
         self.on_event(f"applied delta version {v}")
 
     # -- the engine -------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Encoding `delta`: only the elements that changed since the last version the engines hold.
 
 The sender keeps that version on CPU (seeded from the checkpoint the engines started from, or from
-a first full sync) and updates it in place as buckets are encoded, with an undo log of exactly the
-changed elements, so a failed sync rolls back without ever holding two copies of the model."""
+a first full sync). Encoding only reads it; the changed elements it found are written into it at
+commit, so a failed sync rolls back by forgetting them, without ever holding two copies of the
+model. A bucket's tensors are encoded in parallel, one per core."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import Any, Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.bucket import Bucket, digest_tensors
+from weightsync.bucket import Bucket, combine_digests, tensor_digest
 from weightsync.errors import ConfigError, PayloadError
 from weightsync.interfaces import Alloc, Encoding, Payload
+from weightsync.parallel import map_threads
 from weightsync.wire import pack, packed_size, unpack
 
-from .codec import apply_entry, bits, encode_tensor
+from .codec import Encoded, apply_entry, bits, encode_tensor
 
 FORMAT = "weightsync-delta/1"
 
@@ -27,6 +29,9 @@ class DeltaOptions(BaseModel):
     density_threshold: float = Field(0.25, ge=0, le=1, description=(
         "a tensor with a larger fraction of changed elements ships whole"))
     zstd_level: int = Field(1, ge=1, le=19, description="zstd level of the xor form")
+    xor_max_ratio: float = Field(0.7, gt=0, le=1, description=(
+        "the xor form is used only when it is at most this fraction of the sparse form's bytes: "
+        "it takes several times the CPU time to make and to apply"))
     xor_min_density: float = Field(0.02, ge=0, le=1, description=(
         "below this density only the sparse form is tried: it is exactly the ideal size there, "
         "and compressing costs more time than the bytes it saves"))
@@ -64,7 +69,7 @@ class DeltaEncoding(Encoding):
         self.base_version: int | None = None
         self._seeded = False
         self._pending: int | None = None
-        self._undo: dict[str, tuple] = {}
+        self._staged: dict[str, tuple[tuple, str]] = {}   # applied to the kept version at commit
         self._full = False
         self._last_full: int | None = None
         self._chain_bytes = 0          # wire bytes of the deltas since the last full version
@@ -78,7 +83,8 @@ class DeltaEncoding(Encoding):
         self._seeded = True
         if self.options.base_checkpoint:
             self._base = {n: t.contiguous() for n, t in load_checkpoint(self.options.base_checkpoint).items()}
-            self._digests = {n: digest_tensors([(n, t)]) for n, t in self._base.items()}
+            self._digests = dict(zip(self._base, map_threads(lambda nt: tensor_digest(*nt),
+                                                              list(self._base.items()))))
             self.base_version = self.options.base_version
 
     def begin(self, version: int) -> None:
@@ -94,7 +100,7 @@ class DeltaEncoding(Encoding):
                       or (o.full_when_chain_exceeds > 0 and self._full_bytes > 0
                           and self._chain_bytes >= o.full_when_chain_exceeds * self._full_bytes))
         self._pending = version
-        self._undo = {}
+        self._staged = {}
         self._sync_bytes = 0
         self._all_full = True
         if self._base is None:
@@ -105,17 +111,26 @@ class DeltaEncoding(Encoding):
             self.begin((self.base_version or 0) + 1)
         assert self._base is not None
         o = self.options
+        base = self._base
+
+        def one(nt: tuple[str, torch.Tensor]) -> tuple[Encoded, str, tuple]:
+            name, t = nt
+            t = t.detach().cpu().contiguous()
+            enc = encode_tensor(name, t, base.get(name), density_threshold=o.density_threshold,
+                                zstd_level=o.zstd_level, xor_min_density=o.xor_min_density,
+                                xor_max_ratio=o.xor_max_ratio, force_full=self._full)
+            if enc.idx is not None and enc.vals is not None:
+                update: tuple = ("patch", enc.idx, enc.vals)
+            else:                                    # whole: keep a private copy
+                update = ("whole", t.clone())
+            return enc, tensor_digest(name, t), update
+
+        done = map_threads(one, bucket.tensors)      # one tensor per core; numpy/torch free the GIL
+        bucket._digest = combine_digests([d for _, d, _ in done])
         entries: dict[str, Any] = {}
         arrays: list[tuple[str, torch.Tensor]] = []
         changed_total = 0
-        tensors = [(name, t.detach().cpu().contiguous()) for name, t in bucket.tensors]
-        digests = fused_digests(bucket, tensors)
-        for name, t in tensors:
-            base = self._base.get(name)
-            enc = encode_tensor(name, t, base, density_threshold=o.density_threshold,
-                                zstd_level=o.zstd_level, xor_min_density=o.xor_min_density,
-                                force_full=self._full)
-            digest = digests[name]
+        for (name, _), (enc, digest, update) in zip(bucket.tensors, done):
             entry = {**enc.entry, "digest": digest}
             if enc.entry["kind"] != "full":
                 entry["base_digest"] = self._digests[name]
@@ -123,7 +138,7 @@ class DeltaEncoding(Encoding):
             arrays.extend(enc.arrays)
             changed_total += enc.changed
             self._all_full &= enc.entry["kind"] == "full"
-            self._advance_base(name, t, base, enc.idx, digest)
+            self._staged[name] = (update, digest)
         if self._full:
             meta_kind, base_version = "full", None
         else:
@@ -135,24 +150,21 @@ class DeltaEncoding(Encoding):
                 "base_version": base_version, "tensors": entries, "changed_elements": changed_total}
         return Payload(bucket.index, bucket.last, self.name, bucket.digest(), bucket.specs(), body, meta)
 
-    def _advance_base(self, name: str, new: torch.Tensor, base: torch.Tensor | None,
-                      idx: torch.Tensor | None, digest: str) -> None:
-        """Move the kept version forward in place; remember how to undo it."""
+    def _advance(self, item: tuple[str, tuple[tuple, str]]) -> None:
+        """Move one kept tensor to the committed version (in place for a patch)."""
+        name, (update, _) = item
         assert self._base is not None
-        old_digest = self._digests.get(name)
-        same = base is not None and tuple(base.shape) == tuple(new.shape) and base.dtype == new.dtype
-        if same and idx is not None:
-            bb, i = bits(base).numpy(), idx.numpy()                  # numpy: faster scatters
-            self._undo[name] = ("patch", idx, torch.from_numpy(bb[i]), old_digest)
-            bb[i] = bits(new).numpy()[i]
-        else:                     # whole tensor: the old one is the undo, the base gets a copy
-            self._undo[name] = ("replace", base, old_digest)
-            self._base[name] = new.clone()
-        self._digests[name] = digest
+        if update[0] == "patch":
+            bits(self._base[name]).index_put_((update[1],), update[2])
+        else:
+            self._base[name] = update[1]
 
     def commit(self, version: int) -> None:
         if self._pending is None or version != self._pending:
             return                       # receiver side, or a version this encoding did not stage
+        map_threads(self._advance, list(self._staged.items()))
+        for name, (_, digest) in self._staged.items():
+            self._digests[name] = digest
         if self._full or self._all_full:      # a version of only whole tensors is a full one
             self._last_full = version
             self._chain_bytes = 0
@@ -161,26 +173,11 @@ class DeltaEncoding(Encoding):
             self._chain_bytes += self._sync_bytes
         self.base_version = version
         self._pending = None
-        self._undo = {}
+        self._staged = {}
 
     def rollback(self) -> None:
-        if self._base is None:
-            return
-        for name, u in self._undo.items():
-            if u[0] == "patch":
-                _, idx, old, digest = u
-                bits(self._base[name]).numpy()[idx.numpy()] = old.numpy()
-            else:
-                _, old, digest = u
-                if old is None:
-                    self._base.pop(name, None)
-                else:
-                    self._base[name] = old
-            if digest is None:
-                self._digests.pop(name, None)
-            else:
-                self._digests[name] = digest
-        self._undo = {}
+        """Nothing was applied to the kept version before commit: forget what was staged."""
+        self._staged = {}
         self._pending = None
         if not self._base:
             self._base = None
@@ -193,30 +190,6 @@ class DeltaEncoding(Encoding):
                ) -> list[tuple[str, torch.Tensor]]:
         return decode_payload(payload.meta, payload.body, [(s.name, s.dtype, list(s.shape)) for s in payload.specs],
                               current, self._engine_version)
-
-
-def fused_digests(bucket: Bucket, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """Per-tensor digests (for the manifest) and the bucket's digest (for the receiver), in one
-    read of the bytes: each cache-sized chunk feeds both hashes."""
-    import xxhash
-
-    from weightsync.bucket import dtype_name, tensor_bytes
-    whole = xxhash.xxh3_128()
-    out = {}
-    step = 1 << 22
-    for name, t in tensors:
-        one = xxhash.xxh3_128()
-        head = f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode()
-        whole.update(head)
-        one.update(head)
-        mv = tensor_bytes(t)
-        for off in range(0, len(mv), step):
-            chunk = mv[off: off + step]
-            whole.update(chunk)
-            one.update(chunk)
-        out[name] = one.hexdigest()
-    bucket._digest = whole.hexdigest()
-    return out
 
 
 def decode_payload(meta: dict[str, Any], body: torch.Tensor, specs: list[tuple[str, str, list[int]]],
@@ -241,7 +214,7 @@ def decode_payload(meta: dict[str, Any], body: torch.Tensor, specs: list[tuple[s
             raise PayloadError(f"tensor {name!r} has no delta entry in the payload's metadata")
         base = None if entry.get("kind") == "full" else current(name)
         if base is not None and entry.get("base_digest") \
-                and digest_tensors([(name, base)]) != entry["base_digest"]:
+                and tensor_digest(name, base) != entry["base_digest"]:
             raise PayloadError(f"tensor {name!r}: the receiver's current tensor is not the base this "
                                f"delta was made against (version {meta.get('base_version')}); "
                                f"nothing was applied")

@@ -5,16 +5,22 @@
     LOCAL/data-<id>/*.safetensors, state.json {"version", "tensors": {name: file, offset, digest}}
     LOCAL/data-<id>/journal/    a committed redo journal (changes.safetensors + journal.json)
 
-A delta is applied in place, through a redo journal: the changed positions and their new values
-are written and flushed under a temporary name, renamed to `journal` (the commit point), written
-into the data files, then state.json moves to the new version and the journal is dropped.
-`open()` replays a committed journal and deletes anything half-made, so after a crash at any
-moment the checkpoint holds one whole version: the old one, or the new one."""
+A delta is applied in place, through a journal: the changed positions with their new and old
+values are written and flushed under a temporary name, renamed to `journal` (the commit point),
+the new values are written into the data files, each changed tensor's digest is checked on the
+bytes now in the file, then state.json moves to the new version and the journal is dropped.
+`recover()` replays a committed journal and deletes anything half-made, so after a crash at any
+moment the checkpoint holds one whole version: the old one, or the new one.
+
+Checking after writing reads the changed tensors once, from the page cache; checking before
+writing would read, patch and hash them and then write them as well. A digest that does not match
+puts the old values back, so the old version stays current."""
 
 from __future__ import annotations
 
 import fcntl
 import json
+import mmap
 import os
 import shutil
 import uuid
@@ -26,8 +32,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from weightsync.bucket import digest_tensors, dtype_from_name
+from weightsync.bucket import dtype_from_name, tensor_digest
 from weightsync.errors import PayloadError
+from weightsync.parallel import map_threads
 from weightsync.wire import unpack
 
 from .layout import atomic_write, fsync_dir, write_file
@@ -120,7 +127,10 @@ class LocalCheckpoint:
                 else:
                     p.unlink(missing_ok=True)
         if (d / "journal").is_dir():
-            self._redo(d)
+            try:
+                self._redo(d)
+            except PayloadError:
+                pass                      # the data was discarded; the next sync installs a full one
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the current version (copies), for checks and tests."""
@@ -140,49 +150,19 @@ class LocalCheckpoint:
             raise PayloadError(f"local checkpoint {d / info['file']} is truncated")
         return torch.from_numpy(buf).view(dtype_from_name(info["dtype"])).reshape(info["shape"])
 
-    def digest_patched(self, d: Path, name: str, info: dict[str, Any], idx: torch.Tensor,
-                       vals: torch.Tensor) -> str:
-        """The digest the tensor would have with `vals` (integer bits) at ascending positions
-        `idx`, streamed through a small buffer: checks a sparse delta without materializing the
-        tensor or writing anything."""
-        import xxhash
-
-        size = _itemsize(info["dtype"])
-        numel = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
-        h = xxhash.xxh3_128()
-        h.update(f"{name}|{info['dtype']}|{list(info['shape'])}\n".encode())
-        pos_np, vals_np = idx.numpy(), vals.numpy()
-        buf = np.empty(min(numel, 1 << 21), dtype=_NP_INT[size])
-        j = 0
-        with open(d / info["file"], "rb") as f:
-            f.seek(info["offset"])
-            pos = 0
-            while pos < numel:
-                n = min(len(buf), numel - pos)
-                view = buf[:n]
-                if f.readinto(memoryview(view).cast("B")) != n * size:
-                    raise PayloadError(f"local checkpoint {d / info['file']} is truncated")
-                k = int(np.searchsorted(pos_np, pos + n, side="left"))
-                if k > j:
-                    view[pos_np[j:k] - pos] = vals_np[j:k]
-                    j = k
-                h.update(view)
-                pos += n
-        return h.hexdigest()
-
     def verify(self) -> list[str]:
         """Names whose bytes do not match the digest recorded for the current version."""
         d, s = self.data_dir(), self.state()
         if d is None or s is None:
             return ["<no checkpoint>"]
-        bad = []
-        for n, info in s["tensors"].items():
+        def ok(item: tuple[str, dict[str, Any]]) -> bool:
+            n, info = item
             try:
-                if digest_tensors([(n, self.read_tensor(d, info))]) != info["digest"]:
-                    bad.append(n)
+                return tensor_digest(n, self.read_tensor(d, info)) == info["digest"]
             except PayloadError:
-                bad.append(n)
-        return bad
+                return False
+        items = list(s["tensors"].items())
+        return [n for (n, _), good in zip(items, map_threads(ok, items)) if not good]
 
     # -- installing a full version ----------------------------------------------------------
     def install_full(self, version: int, shards: dict[str, bytes], digests: dict[str, str]) -> None:
@@ -211,27 +191,38 @@ class LocalCheckpoint:
     def apply_changes(self, version: int, changes: dict[str, tuple[torch.Tensor | None, torch.Tensor]],
                       digests: dict[str, str]) -> None:
         """`changes`: name -> (int64 positions, new values as their integer bits) or
-        (None, whole new tensor). Journal first, then in place, then state."""
+        (None, whole new tensor). Journal (new and old values) first, then in place, then check
+        every changed tensor's digest on the written bytes, then state."""
         d, s = self.data_dir(), self.state()
         if d is None or s is None:
             raise PayloadError("the local checkpoint holds no version to apply a delta to")
-        arrays: dict[str, torch.Tensor] = {}
-        for n, (idx, vals) in changes.items():
+        for n in changes:
             if n not in s["tensors"]:
                 raise PayloadError(f"tensor {n!r} is not in the local checkpoint")
-            if idx is None:
-                arrays[n + "::full"] = vals.contiguous()
-            else:
-                small = int(np.prod(s["tensors"][n]["shape"], dtype=np.int64)) < 2**31
-                arrays[n + "::idx"] = idx.to(torch.int32 if small else torch.int64).contiguous()
-                arrays[n + "::val"] = vals.contiguous()
+        arrays: dict[str, torch.Tensor] = {}
+        by_file: dict[str, list[str]] = {}
+        for n in changes:
+            by_file.setdefault(s["tensors"][n]["file"], []).append(n)
+        for fname, names in by_file.items():
+            with mapped(d / fname) as buf:
+                def journal(n: str) -> dict[str, torch.Tensor]:
+                    info = s["tensors"][n]
+                    idx, vals = changes[n]
+                    region = _region(buf, info)
+                    if idx is None:
+                        return {n + "::full": vals.contiguous(), n + "::old": region.clone()}
+                    small = int(np.prod(info["shape"], dtype=np.int64)) < 2**31
+                    return {n + "::idx": idx.to(torch.int32 if small else torch.int64).contiguous(),
+                            n + "::val": vals.contiguous(), n + "::old": torch.take(region, idx)}
+                for part in map_threads(journal, names):
+                    arrays.update(part)
         new_state = {"version": version,
                      "tensors": {n: {**info, "digest": digests.get(n, info["digest"])}
                                  for n, info in s["tensors"].items()}}
         tmp = d / f".journal-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         save_file(arrays, str(tmp / "changes.safetensors"))
-        write_file(tmp / "journal.json", json.dumps(new_state).encode(), self.fsync)
+        write_file(tmp / "journal.json", json.dumps({"old": s, "new": new_state}).encode(), self.fsync)
         if self.fsync:
             with open(tmp / "changes.safetensors", "rb+") as f:
                 os.fsync(f.fileno())
@@ -239,33 +230,102 @@ class LocalCheckpoint:
         os.rename(tmp, d / "journal")               # the commit point
         if self.fsync:
             fsync_dir(d)
-        self._redo(d)
+        self._redo(d, arrays)
 
-    def _redo(self, d: Path) -> None:
-        """Write a committed journal into the data files (idempotent), move state, drop it."""
+    def _redo(self, d: Path, arrays: dict[str, torch.Tensor] | None = None) -> None:
+        """Write a committed journal into the data files (idempotent), check the digest of every
+        tensor it touched on the bytes now in the file, move state, drop the journal.
+
+        A digest that does not match: the old values go back (the journal holds them) and the
+        old version stays current. If the old bytes then do not match the old digests either,
+        the local bytes were damaged before this delta: the data directory is discarded (no
+        state), so the next sync installs the newest full version."""
         j = d / "journal"
-        new_state = json.loads((j / "journal.json").read_bytes())
-        named, _ = unpack(bytearray((j / "changes.safetensors").read_bytes()))
-        arrays = dict(named)
+        journal = json.loads((j / "journal.json").read_bytes())
+        old_state, new_state = journal["old"], journal["new"]
+        if arrays is None:
+            arrays = dict(unpack(bytearray((j / "changes.safetensors").read_bytes()))[0])
         by_file: dict[str, list[str]] = {}
         for key in arrays:
-            n = key.rsplit("::", 1)[0]
-            by_file.setdefault(new_state["tensors"][n]["file"], []).append(n)
-        for fname, names in by_file.items():
-            mm = np.memmap(d / fname, dtype=np.uint8, mode="r+")
-            for n in set(names):
-                info = new_state["tensors"][n]
-                size = _itemsize(info["dtype"])
-                numel = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
-                region = mm[info["offset"]: info["offset"] + numel * size].view(_NP_INT[size])
-                if n + "::full" in arrays:
-                    region[:] = arrays[n + "::full"].reshape(-1).view(_TORCH_INT[size]).numpy()
-                else:
-                    region[arrays[n + "::idx"].numpy()] = arrays[n + "::val"].view(_TORCH_INT[size]).numpy()
-            if self.fsync:
-                mm.flush()
-            del mm
+            n, _, part = key.rpartition("::")
+            if part == "old":
+                by_file.setdefault(new_state["tensors"][n]["file"], []).append(n)
+        bad = self._write(d, by_file, arrays, new_state, "new")
+        if bad:
+            still = self._write(d, by_file, arrays, old_state, "old")
+            v_old, v_new = old_state["version"], new_state["version"]
+            if still:
+                (d / "state.json").unlink(missing_ok=True)
+                what = (f"the local checkpoint did not hold version {v_old} (tensors {still[:5]} "
+                        f"differ from their digests); it was discarded and the newest full "
+                        f"version will be installed")
+            else:
+                what = f"the delta was not applied; the local checkpoint stays at version {v_old}"
+            self._drop_journal(d)
+            raise PayloadError(f"version {v_new}: tensors {bad[:5]} do not match their digests "
+                               f"after the delta was written; {what}")
         atomic_write(d / "state.json", json.dumps(new_state).encode(), self.fsync)
+        self._drop_journal(d)
+
+    def _write(self, d: Path, by_file: dict[str, list[str]], arrays: dict[str, torch.Tensor],
+               state: dict[str, Any], side: str) -> list[str]:
+        """Write one side ("new" or "old") of a journal into the data files; returns the names
+        whose bytes then differ from `state`'s digests."""
+        bad: list[str] = []
+        for fname, names in by_file.items():
+            with mapped(d / fname, self.fsync) as buf:
+                def write_and_check(n: str) -> bool:
+                    info = state["tensors"][n]
+                    region = _region(buf, info)
+                    size = _itemsize(info["dtype"])
+                    if side == "old" and n + "::full" in arrays:
+                        region.copy_(arrays[n + "::old"])
+                    elif side == "new" and n + "::full" in arrays:
+                        region.copy_(arrays[n + "::full"].reshape(-1).view(_TORCH_INT[size]))
+                    else:
+                        vals = arrays[n + "::val"] if side == "new" else arrays[n + "::old"]
+                        region.index_put_((arrays[n + "::idx"],), vals.view(_TORCH_INT[size]))
+                    view = region.view(dtype_from_name(info["dtype"])).reshape(info["shape"])
+                    return tensor_digest(n, view) == info["digest"]
+                names = sorted(set(names))
+                bad += [n for n, ok in zip(names, map_threads(write_and_check, names)) if not ok]
+        return bad
+
+    @staticmethod
+    def _drop_journal(d: Path) -> None:
         done = d / f".journal-done-{uuid.uuid4().hex[:8]}"
-        os.rename(j, done)
+        os.rename(d / "journal", done)
         shutil.rmtree(done, ignore_errors=True)
+
+
+@contextmanager
+def mapped(path: Path, flush: bool = False) -> Iterator[torch.Tensor]:
+    """A file's bytes as a writable uint8 tensor over a shared mapping (writes go to the page
+    cache, the same pages the engine reads)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        yield torch.frombuffer(mm, dtype=torch.uint8)
+        if flush:
+            mm.flush()
+    finally:
+        try:
+            mm.close()
+        except BufferError:           # a view is still alive somewhere; the GC unmaps it
+            pass
+
+
+def _region(buf: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
+    """One tensor's bytes inside a mapped file, as a flat integer view."""
+    size = _itemsize(info["dtype"])
+    numel = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
+    off = int(info["offset"])
+    region = buf[off: off + numel * size]
+    if region.numel() != numel * size:
+        raise PayloadError(f"local checkpoint: tensor at offset {off} runs past the end of its file")
+    if off % size:
+        raise PayloadError(f"local checkpoint: tensor at offset {off} is not aligned to {size} bytes")
+    return region.view(_TORCH_INT[size])

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.bucket import digest_tensors
+from weightsync.bucket import tensor_digest
 from weightsync.errors import TransportError
 from weightsync.interfaces import Adapter, Payload, Transport
 from weightsync.wire import unpack
@@ -118,7 +118,7 @@ class DiskDeltaTransport(Transport):
             return meta["kind"], meta.get("base_version"), meta["tensors"]
         if payload.encoding in ("raw", "cast"):
             named = dict(unpack(payload.body)[0])
-            return "full", None, {s.name: {"kind": "full", "digest": digest_tensors([(s.name, named[s.name])])}
+            return "full", None, {s.name: {"kind": "full", "digest": tensor_digest(s.name, named[s.name])}
                                   for s in payload.specs}
         raise TransportError(f"disk_delta cannot publish encoding {payload.encoding!r}; use 'delta' "
                              f"(or 'raw'/'cast', which publish full versions)")

@@ -1,0 +1,61 @@
+"""The digest every receiver checks: per tensor, then combined; hashed on every core."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from weightsync.bucket import combine_digests, digest_tensors, tensor_digest
+from weightsync.parallel import map_threads
+
+
+def _named(n: int = 6) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(f"w{i}", torch.randn(257 * (i + 1), generator=g).to(torch.bfloat16)) for i in range(n)]
+
+
+def test_a_group_digest_is_its_tensor_digests_combined() -> None:
+    named = _named()
+    per = [tensor_digest(n, t) for n, t in named]
+    assert digest_tensors(named) == combine_digests(per)
+    assert digest_tensors(named[:1]) == per[0]                 # one tensor: its own digest
+    assert len(set(per)) == len(per)
+
+
+@pytest.mark.parametrize("change", ["bit", "name", "order", "dtype", "shape"])
+def test_any_difference_changes_the_digest(change: str) -> None:
+    named = _named()
+    before = digest_tensors(named)
+    if change == "bit":
+        t = named[3][1].clone()
+        t.view(torch.int16)[100] ^= 1
+        named[3] = (named[3][0], t)
+    elif change == "name":
+        named[2] = ("other", named[2][1])
+    elif change == "order":
+        named[0], named[1] = named[1], named[0]
+    elif change == "dtype":
+        named[1] = (named[1][0], named[1][1].view(torch.float16))
+    else:
+        named[4] = (named[4][0], named[4][1].reshape(5, -1))
+    assert digest_tensors(named) != before
+
+
+def test_map_threads_keeps_order_raises_and_nests_without_deadlock() -> None:
+    seen: set[str] = set()
+
+    def inner(x: int) -> int:
+        seen.add(threading.current_thread().name)
+        return sum(map_threads(lambda y: y * x, range(4)))    # nested: runs inline, never waits
+
+    assert map_threads(inner, range(20)) == [6 * x for x in range(20)]
+
+    def boom(x: int) -> int:
+        if x == 3:
+            raise ValueError("item 3")
+        return x
+
+    with pytest.raises(ValueError, match="item 3"):
+        map_threads(boom, range(8))
