@@ -21,7 +21,8 @@ from weightsync.wire import pack, packed_size, unpack
 
 from .codec import Encoded, apply_entry, bits, encode_tensor
 
-FORMAT = "weightsync-delta/1"
+FORMAT = "weightsync-delta/2"          # 2: sparse positions may be gap-coded ("pos")
+READABLE = ("weightsync-delta/1", FORMAT)
 
 
 class DeltaOptions(BaseModel):
@@ -197,8 +198,9 @@ def decode_payload(meta: dict[str, Any], body: torch.Tensor, specs: list[tuple[s
                    ) -> list[tuple[str, torch.Tensor]]:
     """Apply one delta payload against `current` (the receiver's live tensors); nothing is
     modified, the new tensors are returned for the receiver to stage and verify."""
-    if meta.get("format") != FORMAT:
-        raise PayloadError(f"payload is not a {FORMAT} payload (format {meta.get('format')!r})")
+    if meta.get("format") not in READABLE:
+        raise PayloadError(f"payload is not a {FORMAT} payload (format {meta.get('format')!r}); "
+                           f"upgrade weightsync-disk-delta on this side")
     if meta.get("kind") == "delta" and engine_version is not None \
             and meta.get("base_version") != engine_version:
         raise PayloadError(f"this delta was made against version {meta.get('base_version')}, but the "

@@ -22,7 +22,8 @@ import xxhash
 
 from weightsync.errors import PayloadError
 
-MANIFEST_FORMAT = "weightsync-disk-delta/1"
+MANIFEST_FORMAT = "weightsync-disk-delta/2"      # 2: sparse positions may be gap-coded ("pos")
+READABLE_FORMATS = ("weightsync-disk-delta/1", MANIFEST_FORMAT)
 LATEST = "latest"
 VERSIONS = "versions"
 _VDIR = re.compile(r"v(\d{8,})")
@@ -128,7 +129,7 @@ def read_manifest(root: Path, version: int, before_read: Hook | None = None) -> 
     except ValueError as e:
         raise PayloadError(f"version {version}: {p} is not valid JSON ({e})") from None
     try:
-        if m["format"] != MANIFEST_FORMAT or int(m["version"]) != version:
+        if m["format"] not in READABLE_FORMATS or int(m["version"]) != version:
             raise PayloadError(f"version {version}: {p} has format {m.get('format')!r} and version "
                                f"{m.get('version')!r}")
         if m["kind"] not in ("full", "delta"):

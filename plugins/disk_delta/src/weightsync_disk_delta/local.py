@@ -242,18 +242,19 @@ class LocalCheckpoint:
         state), so the next sync installs the newest full version."""
         j = d / "journal"
         journal = json.loads((j / "journal.json").read_bytes())
+        if "new" not in journal:        # an older release's journal: new values only, no undo
+            journal = {"old": None, "new": journal}
         old_state, new_state = journal["old"], journal["new"]
         if arrays is None:
             arrays = dict(unpack(bytearray((j / "changes.safetensors").read_bytes()))[0])
         by_file: dict[str, list[str]] = {}
         for key in arrays:
-            n, _, part = key.rpartition("::")
-            if part == "old":
-                by_file.setdefault(new_state["tensors"][n]["file"], []).append(n)
+            n = key.rpartition("::")[0]
+            by_file.setdefault(new_state["tensors"][n]["file"], []).append(n)
         bad = self._write(d, by_file, arrays, new_state, "new")
         if bad:
-            still = self._write(d, by_file, arrays, old_state, "old")
-            v_old, v_new = old_state["version"], new_state["version"]
+            still = bad if old_state is None else self._write(d, by_file, arrays, old_state, "old")
+            v_old, v_new = (old_state or {}).get("version"), new_state["version"]
             if still:
                 (d / "state.json").unlink(missing_ok=True)
                 what = (f"the local checkpoint did not hold version {v_old} (tensors {still[:5]} "
