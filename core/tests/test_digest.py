@@ -59,3 +59,18 @@ def test_map_threads_keeps_order_raises_and_nests_without_deadlock() -> None:
 
     with pytest.raises(ValueError, match="item 3"):
         map_threads(boom, range(8))
+
+
+def test_a_forked_child_gets_a_working_pool() -> None:
+    """A trainer that forks (DataLoader workers) after hashing: the child's pool has no threads,
+    so it must start its own instead of waiting forever."""
+    import multiprocessing as mp
+    named = _named()
+    want = digest_tensors(named)                     # the parent's pool now exists
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=lambda: q.put(digest_tensors(named)))
+    p.start()
+    p.join(timeout=60)
+    assert p.exitcode == 0, "the forked child hung or failed"
+    assert q.get(timeout=5) == want

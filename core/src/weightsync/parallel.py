@@ -43,6 +43,17 @@ def _get() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: start a new pool on first use."""
+    global _pool, _lock
+    _pool = None
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def map_threads(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     """`[fn(x) for x in items]`, spread over the pool; results in order, first error raised."""
     items = list(items)
