@@ -186,3 +186,69 @@ def test_generation_follows_synced_weights(lm_engine):
 def test_weights_only_engine_refuses_generate(engine):
     r = requests.post(engine.url + "/generate", json={"input_ids": [1]}, timeout=5)
     assert r.status_code == 409 and "weights-only" in r.json()["error"]
+
+
+class _DropFirstResume:
+    """A TCP proxy in front of a real engine that closes, unanswered, the first connection whose
+    request is POST /resume: what a client sees when the engine drops an idle keep-alive socket
+    just as it is reused."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        self.target = target_port
+        self.dropped = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pipe, args=(client, socket), daemon=True).start()
+
+    def _pipe(self, client, socket) -> None:
+        upstream = None
+        try:
+            while True:
+                data = client.recv(1 << 16)
+                if not data:
+                    return
+                if data.startswith(b"POST /resume") and not self.dropped:
+                    self.dropped += 1
+                    return                                   # closed with no answer
+                if upstream is None:
+                    upstream = socket.create_connection(("127.0.0.1", self.target))
+                    threading.Thread(target=self._back, args=(upstream, client), daemon=True).start()
+                upstream.sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+
+    @staticmethod
+    def _back(upstream, client) -> None:
+        try:
+            while data := upstream.recv(1 << 16):
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+
+def test_a_dropped_resume_connection_is_retried_and_the_engine_serves(engine):
+    """Resume must never be lost: a paused engine serves no one."""
+    port = int(engine.url.rsplit(":", 1)[1])
+    proxy = _DropFirstResume(port)
+    v0 = engine.health()["version"]
+    spec = {**engine.spec(), "url": f"http://127.0.0.1:{proxy.port}"}
+    with WeightSync.from_config(cfg(spec)) as sync:
+        report = sync.push(perturb(sample_state_dict(), 7), version=v0 + 1)
+    assert proxy.dropped == 1
+    assert report.ok and report.version == v0 + 1
+    h = engine.health()
+    assert h["version"] == v0 + 1 and not h["paused"]

@@ -20,8 +20,8 @@ Plugins add components through four pluggy hooks (see `weightsync.hookspecs`).
 
 from .bucket import Bucket, TensorSpec
 from .config import EngineSpec, SyncConfig
-from .errors import (ConfigError, EngineError, EngineUnavailable, PayloadError, PluginError,
-                     SyncError, TransportError, WeightSyncError)
+from .errors import (ConfigError, EngineError, EngineUnavailable, EngineUnreachable, PayloadError,
+                     PluginError, SyncError, TransportError, WeightSyncError)
 from .hookspecs import hookimpl
 from .interfaces import (Adapter, Encoding, Endpoint, EngineStatus, Exporter, Payload, Transport,
                          TransportReceiver)
@@ -32,8 +32,8 @@ from .report import EngineOutcome, SyncReport
 __version__ = "0.1.0"
 __all__ = [
     "Adapter", "Bucket", "ConfigError", "Encoding", "Endpoint", "EngineError", "EngineOutcome",
-    "EngineSpec", "EngineStatus", "EngineUnavailable", "Exporter", "Payload", "PayloadError",
-    "PluginError", "SyncConfig", "SyncError", "SyncReport", "TensorSpec", "Transport",
+    "EngineSpec", "EngineStatus", "EngineUnavailable", "EngineUnreachable", "Exporter", "Payload",
+    "PayloadError", "PluginError", "SyncConfig", "SyncError", "SyncReport", "TensorSpec", "Transport",
     "TransportError", "TransportReceiver", "WeightSync", "WeightSyncError", "hookimpl",
     "load_components", "make_plugin_manager",
 ]

@@ -28,6 +28,11 @@ class EngineUnavailable(EngineError):
     """The engine did not answer (down, wrong URL, timeout)."""
 
 
+class EngineUnreachable(EngineUnavailable):
+    """The connection failed before any answer (nothing listening, or a dropped keep-alive
+    socket): an idempotent call may be retried on a fresh connection."""
+
+
 class PayloadError(WeightSyncError):
     """A payload cannot be applied: unknown tensor, wrong shape or dtype, corrupted bytes."""
 

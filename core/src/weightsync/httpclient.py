@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import requests
 
-from .errors import EngineError, EngineUnavailable
+from .errors import EngineError, EngineUnavailable, EngineUnreachable
 
 
 class Parts:
@@ -48,7 +48,7 @@ def call(session: requests.Session, engine: str, method: str, url: str, *, timeo
     except requests.Timeout:
         raise EngineUnavailable(engine, f"{method} {url} got no answer within {timeout:g}s") from None
     except requests.ConnectionError as e:
-        raise EngineUnavailable(engine, f"{method} {url} failed: cannot connect ({type(e).__name__}); "
+        raise EngineUnreachable(engine, f"{method} {url} failed: cannot connect ({type(e).__name__}); "
                                         f"is the engine running at that address?") from None
     if resp.status_code not in ok:
         raise EngineError(engine, f"{method} {url} -> HTTP {resp.status_code}: {error_text(resp)}")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from .config import ResolvedConfig, SyncConfig, resolve
-from .errors import SyncError, WeightSyncError
+from .errors import EngineUnreachable, SyncError, WeightSyncError
 from .interfaces import Adapter, NameMap, Payload
 from .plugins import Components, load_components
 from .report import EngineOutcome, SyncReport
@@ -171,7 +171,7 @@ class WeightSync:
             self._transfer(model, version, name_map, report, active, timed)
         finally:
             with timed("resume"):
-                _, fails = self._each(paused, lambda a: a.resume())
+                _, fails = self._each(paused, _resume)
             report.pause_window = time.perf_counter() - t_pause
             for name, err in fails.items():
                 log.warning("engine %s did not resume: %s", name, err)
@@ -319,3 +319,17 @@ class WeightSync:
             worker.join()
             progress.close()
         return active
+
+
+def _resume(adapter: Adapter, attempts: int = 4, backoff: float = 0.25) -> None:
+    """Resume is idempotent and the one call that must not be lost (a paused engine serves no
+    one), so a connection that fails before any answer (an engine closing an idle keep-alive
+    socket just as it is reused) is retried on a fresh one. A refusal or a timeout is not."""
+    for k in range(attempts):
+        try:
+            adapter.resume()
+            return
+        except EngineUnreachable:
+            if k == attempts - 1:
+                raise
+            time.sleep(backoff * 2 ** k)
