@@ -125,3 +125,11 @@ def test_changed_positions_match_a_plain_compare(dtype: torch.dtype, numel: int)
     assert idx is None and count == want.numel()
     idx, count = changed_positions(bits(new), bits(base), -1)
     assert idx is None and count == want.numel()
+
+
+def test_a_delta_without_the_current_tensor_is_refused_by_name() -> None:
+    base = torch.randn(1000).to(torch.bfloat16)
+    enc = encode_tensor("w", _changed(base, 0.01), base, density_threshold=0.5, zstd_level=1,
+                        xor_min_density=1.0)
+    with pytest.raises(PayloadError, match="'w': a sparse delta needs the current tensor"):
+        apply_entry("w", enc.entry, dict(enc.arrays), None, "bfloat16", [1000])

@@ -106,8 +106,8 @@ _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 def changed_positions(nb: torch.Tensor, bb: torch.Tensor | None, limit: int = -1
                       ) -> tuple[torch.Tensor | None, int]:
     """(ascending int64 positions where two integer views differ (`bb` None: where `nb` is not
-    zero), how many). Past `limit`
-    changes (-1: at once) it only counts and returns no positions (the tensor ships whole).
+    zero), how many). Past `limit` changes (-1: at once) it only counts and returns no positions
+    (the tensor ships whole).
 
     Compares 8-byte words in cache-sized chunks, then splits only the words that differ into
     elements: numpy's nonzero costs per element scanned, so scanning words instead of bf16
@@ -260,7 +260,9 @@ def apply_entry(name: str, entry: Mapping[str, Any], arrays: Mapping[str, torch.
                               dtype, shape)
     if idx is None:
         return vals, None, None
-    assert base is not None
+    if base is None:
+        raise PayloadError(f"tensor {name!r}: a {entry.get('kind')} delta needs the current tensor, "
+                           f"which the receiver does not have")
     out = bits(base).clone()
     out.index_put_((idx,), vals)
     return out.view(base.dtype).reshape(tuple(shape)), idx, vals
