@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -132,13 +133,12 @@ def baseline(state: dict[str, torch.Tensor], work: Path) -> dict[str, float]:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per version label without its repeat number, and lane: the median of each timing and of
+    """Per version label without its repeat number: the median of each timing and of
     the speedup, with the smallest and largest speedup."""
     import statistics
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        groups.setdefault(r["label"].split(" #")[0] + ("" if r["lane"] == "default" else f" ({r['lane']})")
-                          if " #" in r["label"] else r["label"], []).append(r)
+        groups.setdefault(re.sub(r" #\d+", "", r["label"]), []).append(r)
     out = []
     for label, rs in groups.items():
         sp = [r["speedup_vs_full"] for r in rs]

@@ -196,13 +196,12 @@ class LocalCheckpoint:
         d, s = self.data_dir(), self.state()
         if d is None or s is None:
             raise PayloadError("the local checkpoint holds no version to apply a delta to")
+        by_file: dict[str, list[str]] = {}
         for n in changes:
             if n not in s["tensors"]:
                 raise PayloadError(f"tensor {n!r} is not in the local checkpoint")
-        arrays: dict[str, torch.Tensor] = {}
-        by_file: dict[str, list[str]] = {}
-        for n in changes:
             by_file.setdefault(s["tensors"][n]["file"], []).append(n)
+        arrays: dict[str, torch.Tensor] = {}
         for fname, names in by_file.items():
             with mapped(d / fname) as buf:
                 def journal(n: str) -> dict[str, torch.Tensor]:
