@@ -49,9 +49,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def tensor_hasher(name: str, t: torch.Tensor) -> xxhash.xxh3_128:
+    """An xxh3-128 state that has taken the tensor's name, dtype and shape; fed the tensor's
+    bytes in order (at once or in chunks), its hexdigest is `tensor_digest`."""
+    return xxhash.xxh3_128(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode())
+
+
 def tensor_digest(name: str, t: torch.Tensor) -> str:
     """xxh3-128 over one tensor's name, dtype, shape and bytes."""
-    h = xxhash.xxh3_128(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode())
+    h = tensor_hasher(name, t)
     h.update(tensor_bytes(t))
     return h.hexdigest()
 
@@ -97,7 +103,7 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
     @classmethod
-    def of(cls, name: str, t: torch.Tensor) -> "TensorSpec":
+    def of(cls, name: str, t: torch.Tensor) -> TensorSpec:
         return cls(name, dtype_name(t.dtype), tuple(t.shape))
 
 
@@ -128,5 +134,5 @@ class Bucket:
             self._digest = digest_tensors(self.tensors)
         return self._digest
 
-    def with_tensors(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> "Bucket":
+    def with_tensors(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Bucket:
         return Bucket(self.index, list(tensors), self.last)

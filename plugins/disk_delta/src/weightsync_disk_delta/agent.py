@@ -10,22 +10,23 @@ exclusive lock makes one apply while the others wait and then find it already cu
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
 from weightsync.bucket import tensor_digest
 from weightsync.errors import PayloadError, WeightSyncError
 from weightsync.interfaces import Adapter
 from weightsync.parallel import map_threads
 from weightsync.wire import unpack
 
-from .codec import apply_entry, entry_changes
+from . import kernels, positions
+from .codec import IDX_SEP, apply_entry, entry_changes
 from .layout import Hook, list_versions, read_latest, read_manifest, read_shard
-from .local import LocalCheckpoint
+from .local import Change, LocalCheckpoint
 
 log = logging.getLogger("weightsync.disk_delta.agent")
 
@@ -43,6 +44,7 @@ class Agent:
         self.adapter = adapter
         self.before_read = before_read
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
+        kernels.warm()             # compiled (or loaded from numba's cache) before the first delta
 
     # -- the local checkpoint ---------------------------------------------------------------
     def sync_local(self, target: int | None = None) -> int | None:
@@ -97,7 +99,8 @@ class Agent:
                            + ("; ".join(errors) or "none published"))
 
     def _load(self, m: dict[str, Any]) -> tuple[dict[str, bytes], dict[str, torch.Tensor]]:
-        shards = {s["file"]: read_shard(self.root, m["version"], s) for s in m["shards"]}
+        data = map_threads(lambda s: read_shard(self.root, m["version"], s), m["shards"])
+        shards = {s["file"]: b for s, b in zip(m["shards"], data)}   # read side by side
         arrays: dict[str, torch.Tensor] = {}
         for data in shards.values():
             with warnings.catch_warnings():       # read-only views: nothing writes into them
@@ -135,7 +138,7 @@ class Agent:
                 raise ChainBroken(f"version {v}: tensor {name!r} was made against other bytes than "
                                   f"the local version {state['version']} holds")
 
-        def prepare(item: tuple[str, dict[str, Any]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        def prepare(item: tuple[str, dict[str, Any]]) -> Change:
             name, t = item
             info = state["tensors"][name]
             idx, vals = entry_changes(name, t, arrays, lambda: self.local.read_tensor(d, info),
@@ -143,11 +146,16 @@ class Agent:
             if idx is not None and idx.numel() == 0 and t["digest"] != info["digest"]:
                 raise PayloadError(f"version {v}: tensor {name!r} is unchanged, but its digest "
                                    f"differs from the local one; the manifest is corrupted")
-            return idx, vals
+            stored = None
+            if idx is not None and t.get("kind") == "sparse":     # journal the delta's own form
+                form = str(t.get("pos", "idx"))
+                stored = (form, {k: arrays[name + IDX_SEP + k] for k in positions.arrays_of(form)})
+            numel = int(math.prod(t["shape"]))
+            return Change.of(idx, vals, numel, stored)
 
         items = list(m["tensors"].items())
         changes = {name: c for (name, _), c in zip(items, map_threads(prepare, items))
-                   if c[0] is None or c[0].numel()}
+                   if c.idx is None or c.idx.numel()}
         digests = {name: m["tensors"][name]["digest"] for name in changes}
         # shards checked; the written bytes are checked against `digests` before state moves
         self.local.apply_changes(v, changes, digests)

@@ -18,11 +18,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 import zstandard
-
-from weightsync.bucket import dtype_name
+from weightsync.bucket import dtype_name, tensor_digest, tensor_hasher
 from weightsync.errors import PayloadError
 
-from . import positions
+from . import kernels, positions
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 IDX_SEP = "::"
@@ -54,6 +53,7 @@ class Encoded:
     entry: dict[str, Any]                       # JSON: kind, changed, numel, ...
     arrays: list[tuple[str, torch.Tensor]]      # what goes into the payload body
     changed: int
+    digest: str                                 # the new tensor's (weightsync.bucket.tensor_digest)
     idx: torch.Tensor | None = None             # int64 changed positions (None: all / unknown)
     vals: torch.Tensor | None = None            # their new values, as integer bits
 
@@ -61,18 +61,20 @@ class Encoded:
 def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor | None, *,
                   density_threshold: float, zstd_level: int, xor_min_density: float,
                   xor_max_ratio: float = 0.7, force_full: bool = False) -> Encoded:
-    """Pick the cheapest lossless form of `new` given `base` (the receiver's current tensor)."""
+    """Pick the cheapest lossless form of `new` given `base` (the receiver's current tensor).
+    The compare and the digest of `new` share one pass over its bytes (kernels.scan)."""
     new = new.detach().cpu().contiguous()
     numel = new.numel()
     full_bytes = numel * new.element_size()
     if base is None or tuple(base.shape) != tuple(new.shape) or base.dtype != new.dtype:
-        return Encoded({"kind": "full", "changed": numel}, [(name, new)], numel)
+        return Encoded({"kind": "full", "changed": numel}, [(name, new)], numel, tensor_digest(name, new))
     nb, bb = bits(new), bits(base)
-    limit = -1 if force_full else int(density_threshold * numel)
-    idx, changed = changed_positions(nb, bb, limit)
-    if idx is None or numel == 0:
-        return Encoded({"kind": "full", "changed": changed}, [(name, new)], changed, None)
-    pos, pos_arrays = positions.encode(idx, numel)
+    hasher = tensor_hasher(name, new)
+    found = kernels.scan(nb, bb, -1 if force_full else int(density_threshold * numel), hasher)
+    idx, vals, changed, digest = found.idx, found.vals, found.count, hasher.hexdigest()
+    if idx is None or vals is None or numel == 0:
+        return Encoded({"kind": "full", "changed": changed}, [(name, new)], changed, digest)
+    pos, pos_arrays = positions.encode(idx, numel, (found.over8, found.over16))
     sparse_bytes = changed * new.element_size() + sum(a.numel() * a.element_size()
                                                       for a in pos_arrays.values())
     best = "sparse"
@@ -87,16 +89,15 @@ def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor | None, *,
         if len(z) < xor_max_ratio * best_bytes:
             best, best_bytes = "xor", len(z)
     if full_bytes <= best_bytes:
-        return Encoded({"kind": "full", "changed": changed}, [(name, new)], changed, idx)
-    vals = torch.take(nb, idx)
+        return Encoded({"kind": "full", "changed": changed}, [(name, new)], changed, digest, idx, vals)
     if best == "xor":
         assert z is not None
         zt = torch.frombuffer(bytearray(z), dtype=torch.uint8)
         return Encoded({"kind": "xor", "changed": changed}, [(keys(name, "xor")[0], zt)], changed,
-                       idx, vals)
+                       digest, idx, vals)
     arrays = [(name + IDX_SEP + k, a) for k, a in pos_arrays.items()]
     arrays.append((name + IDX_SEP + "val", vals.view(new.dtype)))
-    return Encoded({"kind": "sparse", "changed": changed, "pos": pos}, arrays, changed, idx, vals)
+    return Encoded({"kind": "sparse", "changed": changed, "pos": pos}, arrays, changed, digest, idx, vals)
 
 _WORDS = 1 << 16
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -245,5 +246,5 @@ def apply_entry(name: str, entry: Mapping[str, Any], arrays: Mapping[str, torch.
         raise PayloadError(f"tensor {name!r}: a {entry.get('kind')} delta needs the current tensor, "
                            f"which the receiver does not have")
     out = bits(base).clone()
-    out.index_put_((idx,), vals)
+    kernels.put(out, idx, vals)
     return out.view(base.dtype).reshape(tuple(shape)), idx, vals

@@ -1,24 +1,28 @@
 """Encoding `delta`: only the elements that changed since the last version the engines hold.
 
 The sender keeps that version on CPU (seeded from the checkpoint the engines started from, or from
-a first full sync). Encoding only reads it; the changed elements it found are written into it at
-commit, so a failed sync rolls back by forgetting them, without ever holding two copies of the
-model. A bucket's tensors are encoded in parallel, one per core."""
+a first full sync). Encoding only reads it; the changed elements it found are written into it
+after commit, in the background while the trainer goes on (scattered writes cost about one pass
+over the model's memory), and the next sync waits for them before reading it. A failed sync rolls
+back by forgetting what it staged, without ever holding two copies of the model. A bucket's
+tensors are encoded in parallel, one per core."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-
 from weightsync.bucket import Bucket, combine_digests, tensor_digest
 from weightsync.errors import ConfigError, PayloadError
 from weightsync.interfaces import Alloc, Encoding, Payload
 from weightsync.parallel import map_threads
 from weightsync.wire import pack, packed_size, unpack
 
+from . import kernels
 from .codec import Encoded, apply_entry, bits, encode_tensor
 
 FORMAT = "weightsync-delta/2"          # 2: sparse positions may be gap-coded ("pos")
@@ -46,6 +50,36 @@ class DeltaOptions(BaseModel):
         "(0: never)"))
 
 
+class _Background(threading.Thread):
+    """Runs one call off the caller's thread; `result()` waits and re-raises its error. A fork
+    waits for every running one first, so a child never inherits a half-written kept version."""
+
+    running: ClassVar[set[_Background]] = set()
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(name="weightsync-delta-kept", daemon=True)
+        self._fn: Callable[[], Any] = fn
+        self._error: BaseException | None = None
+        _Background.running.add(self)
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as e:        # noqa: BLE001 - handed to result()
+            self._error = e
+        finally:
+            _Background.running.discard(self)
+
+    def result(self) -> None:
+        self.join()
+        if self._error is not None:
+            raise self._error
+
+
+os.register_at_fork(before=lambda: [t.join() for t in list(_Background.running)])
+
+
 def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     path = Path(path)
@@ -71,6 +105,7 @@ class DeltaEncoding(Encoding):
         self._seeded = False
         self._pending: int | None = None
         self._staged: dict[str, tuple[tuple, str]] = {}   # applied to the kept version at commit
+        self._writing: _Background | None = None         # committed patches going into _base
         self._full = False
         self._last_full: int | None = None
         self._chain_bytes = 0          # wire bytes of the deltas since the last full version
@@ -89,8 +124,10 @@ class DeltaEncoding(Encoding):
             self.base_version = self.options.base_version
 
     def begin(self, version: int) -> None:
+        self._settle()
         if not self._seeded:
             self._seed()
+            kernels.warm()
         if self.base_version is not None and version <= self.base_version:
             raise PayloadError(f"delta encoding: version {version} is not above the base version "
                                f"{self.base_version}; push a higher version")
@@ -124,7 +161,7 @@ class DeltaEncoding(Encoding):
                 update: tuple = ("patch", enc.idx, enc.vals)
             else:                                    # whole: keep a private copy
                 update = ("whole", t.clone())
-            return enc, tensor_digest(name, t), update
+            return enc, enc.digest, update
 
         done = map_threads(one, bucket.tensors)      # one tensor per core; numpy/torch free the GIL
         bucket._digest = combine_digests([d for _, d, _ in done])
@@ -151,19 +188,30 @@ class DeltaEncoding(Encoding):
                 "base_version": base_version, "tensors": entries, "changed_elements": changed_total}
         return Payload(bucket.index, bucket.last, self.name, bucket.digest(), bucket.specs(), body, meta)
 
-    def _advance(self, item: tuple[str, tuple[tuple, str]]) -> None:
-        """Move one kept tensor to the committed version (in place for a patch)."""
-        name, (update, _) = item
-        assert self._base is not None
-        if update[0] == "patch":
-            bits(self._base[name]).index_put_((update[1],), update[2])
-        else:
-            self._base[name] = update[1]
+    def _settle(self) -> None:
+        """Wait until the last commit's patches are in the kept version."""
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            writing.result()
+
+    def kept(self) -> dict[str, torch.Tensor]:
+        """The kept version (what the engines hold), for checks and tests."""
+        self._settle()
+        return dict(self._base or {})
 
     def commit(self, version: int) -> None:
         if self._pending is None or version != self._pending:
             return                       # receiver side, or a version this encoding did not stage
-        map_threads(self._advance, list(self._staged.items()))
+        assert self._base is not None
+        self._settle()
+        patches = []
+        for name, (update, _) in self._staged.items():
+            if update[0] == "patch":
+                patches.append((bits(self._base[name]), update[1], update[2]))
+            else:
+                self._base[name] = update[1]
+        if patches:
+            self._writing = _Background(lambda: map_threads(lambda p: kernels.put(*p), patches))
         for name, (_, digest) in self._staged.items():
             self._digests[name] = digest
         if self._full or self._all_full:      # a version of only whole tensors is a full one

@@ -5,16 +5,18 @@
     LOCAL/data-<id>/*.safetensors, state.json {"version", "tensors": {name: file, offset, digest}}
     LOCAL/data-<id>/journal/    a committed redo journal (changes.safetensors + journal.json)
 
-A delta is applied in place, through a journal: the changed positions with their new and old
-values are written and flushed under a temporary name, renamed to `journal` (the commit point),
-the new values are written into the data files, each changed tensor's digest is checked on the
-bytes now in the file, then state.json moves to the new version and the journal is dropped.
-`recover()` replays a committed journal and deletes anything half-made, so after a crash at any
-moment the checkpoint holds one whole version: the old one, or the new one.
+A delta is applied in place, through a journal: the changed positions (in the delta's compact
+form) with their new values are written and flushed under a temporary name, renamed to `journal`
+(the commit point), the new values are written into the data files while the ones they replace
+are kept in memory, each changed tensor's digest is checked on the bytes now in the file, then
+state.json moves to the new version and the journal is dropped. `recover()` replays a committed
+journal and deletes anything half-made, so after a crash at any moment the checkpoint holds one
+whole version: the old one, or the new one.
 
-Checking after writing reads the changed tensors once, from the page cache; checking before
-writing would read, patch and hash them and then write them as well. A digest that does not match
-puts the old values back, so the old version stays current."""
+Checking after writing reads the changed tensors once, from the page cache (one pass writes and
+hashes, kernels.swap); checking before writing would read, patch and hash them and then write
+them as well. A digest that does not match puts the old values back, so the old version stays
+current."""
 
 from __future__ import annotations
 
@@ -24,19 +26,20 @@ import mmap
 import os
 import shutil
 import uuid
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
-
-from weightsync.bucket import dtype_from_name, tensor_digest
+from weightsync.bucket import dtype_from_name, tensor_digest, tensor_hasher
 from weightsync.errors import PayloadError
 from weightsync.parallel import map_threads
 from weightsync.wire import unpack
 
+from . import kernels, positions
 from .layout import atomic_write, fsync_dir, write_file
 
 _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -72,7 +75,7 @@ class LocalCheckpoint:
 
     # -- locking ----------------------------------------------------------------------------
     @contextmanager
-    def locked(self, exclusive: bool = True) -> Iterator["LocalCheckpoint"]:
+    def locked(self, exclusive: bool = True) -> Iterator[LocalCheckpoint]:
         fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
@@ -188,40 +191,33 @@ class LocalCheckpoint:
         self.recover()                              # drops the old data directory
 
     # -- applying a delta in place ----------------------------------------------------------
-    def apply_changes(self, version: int, changes: dict[str, tuple[torch.Tensor | None, torch.Tensor]],
-                      digests: dict[str, str]) -> None:
-        """`changes`: name -> (int64 positions, new values as their integer bits) or
-        (None, whole new tensor). Journal (new and old values) first, then in place, then check
-        every changed tensor's digest on the written bytes, then state."""
+    def apply_changes(self, version: int, changes: dict[str, Change], digests: dict[str, str]) -> None:
+        """Journal the changes (positions as compact as the delta had them, new values), then
+        write them in place, keeping the values they replace in memory, then check every changed
+        tensor's digest on the written bytes, then state."""
         d, s = self.data_dir(), self.state()
         if d is None or s is None:
             raise PayloadError("the local checkpoint holds no version to apply a delta to")
-        by_file: dict[str, list[str]] = {}
         for n in changes:
             if n not in s["tensors"]:
                 raise PayloadError(f"tensor {n!r} is not in the local checkpoint")
-            by_file.setdefault(s["tensors"][n]["file"], []).append(n)
         arrays: dict[str, torch.Tensor] = {}
-        for fname, names in by_file.items():
-            with mapped(d / fname) as buf:
-                def journal(n: str) -> dict[str, torch.Tensor]:
-                    info = s["tensors"][n]
-                    idx, vals = changes[n]
-                    region = _region(buf, info)
-                    if idx is None:
-                        return {n + "::full": vals.contiguous(), n + "::old": region.clone()}
-                    small = int(np.prod(info["shape"], dtype=np.int64)) < 2**31
-                    return {n + "::idx": idx.to(torch.int32 if small else torch.int64).contiguous(),
-                            n + "::val": vals.contiguous(), n + "::old": torch.take(region, idx)}
-                for part in map_threads(journal, names):
-                    arrays.update(part)
+        forms: dict[str, str] = {}
+        for n, c in changes.items():
+            if c.idx is None:
+                arrays[n + "::full"] = c.vals.contiguous()
+                continue
+            forms[n] = c.form
+            arrays.update({n + "::" + k: a.contiguous() for k, a in c.stored.items()})
+            arrays[n + "::val"] = c.vals.contiguous()
         new_state = {"version": version,
                      "tensors": {n: {**info, "digest": digests.get(n, info["digest"])}
                                  for n, info in s["tensors"].items()}}
         tmp = d / f".journal-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         save_file(arrays, str(tmp / "changes.safetensors"))
-        write_file(tmp / "journal.json", json.dumps({"old": s, "new": new_state}).encode(), self.fsync)
+        write_file(tmp / "journal.json", json.dumps({"old": s, "new": new_state, "pos": forms}).encode(),
+                   self.fsync)
         if self.fsync:
             with open(tmp / "changes.safetensors", "rb+") as f:
                 os.fsync(f.fileno())
@@ -229,36 +225,41 @@ class LocalCheckpoint:
         os.rename(tmp, d / "journal")               # the commit point
         if self.fsync:
             fsync_dir(d)
-        self._redo(d, arrays)
+        self._redo(d, changes)
 
-    def _redo(self, d: Path, arrays: dict[str, torch.Tensor] | None = None) -> None:
+    def _redo(self, d: Path, changes: dict[str, Change] | None = None) -> None:
         """Write a committed journal into the data files (idempotent), check the digest of every
         tensor it touched on the bytes now in the file, move state, drop the journal.
 
-        A digest that does not match: the old values go back (the journal holds them) and the
-        old version stays current. If the old bytes then do not match the old digests either,
-        the local bytes were damaged before this delta: the data directory is discarded (no
-        state), so the next sync installs the newest full version."""
+        A digest that does not match: the replaced values go back and the old version stays
+        current. They are known when this process wrote the journal (kept in memory while
+        writing) or when the journal holds them (older releases wrote them); after a crash they
+        are not, and the data directory is discarded. So it is too when the old bytes do not
+        match the old digests either: they were damaged before this delta. Without state, the
+        next sync installs the newest full version."""
         j = d / "journal"
         journal = json.loads((j / "journal.json").read_bytes())
         if "new" not in journal:        # an older release's journal: new values only, no undo
             journal = {"old": None, "new": journal}
         old_state, new_state = journal["old"], journal["new"]
-        if arrays is None:
-            arrays = dict(unpack(bytearray((j / "changes.safetensors").read_bytes()))[0])
+        undo: dict[str, torch.Tensor] = {}
+        if changes is None:
+            changes, undo = _journal_changes(journal, new_state, j / "changes.safetensors")
+            if old_state is not None and set(undo) != set(changes):
+                old_state = None                    # nothing to put back after a crash
         by_file: dict[str, list[str]] = {}
-        for key in arrays:
-            n = key.rpartition("::")[0]
+        for n in sorted(changes):
             by_file.setdefault(new_state["tensors"][n]["file"], []).append(n)
-        bad = self._write(d, by_file, arrays, new_state, "new")
+        bad = self._write(d, by_file, changes, new_state, undo)
         if bad:
-            still = bad if old_state is None else self._write(d, by_file, arrays, old_state, "old")
+            still = bad if old_state is None else self._write(
+                d, by_file, {n: Change(changes[n].idx, undo[n]) for n in changes}, old_state, None)
             v_old, v_new = (old_state or {}).get("version"), new_state["version"]
             if still:
                 (d / "state.json").unlink(missing_ok=True)
-                what = (f"the local checkpoint did not hold version {v_old} (tensors {still[:5]} "
-                        f"differ from their digests); it was discarded and the newest full "
-                        f"version will be installed")
+                what = (f"the local checkpoint cannot be brought back to version {v_old} (tensors "
+                        f"{still[:5]} differ from their digests); it was discarded and the newest "
+                        f"full version will be installed")
             else:
                 what = f"the delta was not applied; the local checkpoint stays at version {v_old}"
             self._drop_journal(d)
@@ -267,29 +268,33 @@ class LocalCheckpoint:
         atomic_write(d / "state.json", json.dumps(new_state).encode(), self.fsync)
         self._drop_journal(d)
 
-    def _write(self, d: Path, by_file: dict[str, list[str]], arrays: dict[str, torch.Tensor],
-               state: dict[str, Any], side: str) -> list[str]:
-        """Write one side ("new" or "old") of a journal into the data files; returns the names
-        whose bytes then differ from `state`'s digests."""
-        bad: list[str] = []
-        for fname, names in by_file.items():
-            with mapped(d / fname, self.fsync) as buf:
-                def write_and_check(n: str) -> bool:
-                    info = state["tensors"][n]
-                    region = _region(buf, info)
-                    size = _itemsize(info["dtype"])
-                    if side == "old" and n + "::full" in arrays:
-                        region.copy_(arrays[n + "::old"])
-                    elif side == "new" and n + "::full" in arrays:
-                        region.copy_(arrays[n + "::full"].reshape(-1).view(_TORCH_INT[size]))
-                    else:
-                        vals = arrays[n + "::val"] if side == "new" else arrays[n + "::old"]
-                        region.index_put_((arrays[n + "::idx"],), vals.view(_TORCH_INT[size]))
-                    view = region.view(dtype_from_name(info["dtype"])).reshape(info["shape"])
-                    return tensor_digest(n, view) == info["digest"]
-                names = sorted(set(names))
-                bad += [n for n, ok in zip(names, map_threads(write_and_check, names)) if not ok]
-        return bad
+    def _write(self, d: Path, by_file: dict[str, list[str]], changes: dict[str, Change],
+               state: dict[str, Any], undo: dict[str, torch.Tensor] | None) -> list[str]:
+        """Write `changes` into the data files, hashing each changed tensor as it goes; returns
+        the names whose bytes then differ from `state`'s digests. `undo` (when given and not
+        already filled from a journal) receives the values each write replaced."""
+        with ExitStack() as stack:             # every file mapped at once: one pass over all tensors
+            bufs = {f: stack.enter_context(mapped(d / f, self.fsync)) for f in by_file}
+
+            def write_and_check(item: tuple[str, str]) -> bool:
+                fname, n = item
+                info = state["tensors"][n]
+                c = changes[n]
+                region = _region(bufs[fname], info)
+                view = region.view(dtype_from_name(info["dtype"])).reshape(info["shape"])
+                h = tensor_hasher(n, view)
+                if c.idx is None:
+                    if undo is not None and n not in undo:
+                        undo[n] = region.clone()
+                    region.copy_(c.vals.reshape(-1).view(region.dtype))
+                    h.update(memoryview(region.numpy()).cast("B"))
+                else:
+                    old = kernels.swap(region, c.idx, c.vals.view(region.dtype), h)
+                    if undo is not None and n not in undo:
+                        undo[n] = old
+                return h.hexdigest() == info["digest"]
+            items = [(f, n) for f, names in by_file.items() for n in names]
+            return [n for (_, n), ok in zip(items, map_threads(write_and_check, items)) if not ok]
 
     @staticmethod
     def _drop_journal(d: Path) -> None:
@@ -329,3 +334,48 @@ def _region(buf: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
     if off % size:
         raise PayloadError(f"local checkpoint: tensor at offset {off} is not aligned to {size} bytes")
     return region.view(_TORCH_INT[size])
+
+
+@dataclass
+class Change:
+    """What a delta does to one tensor of the local checkpoint."""
+    idx: torch.Tensor | None                 # validated int64 positions (None: `vals` is whole)
+    vals: torch.Tensor                       # the new values as integer bits, or the whole tensor
+    stored: dict[str, torch.Tensor] = field(default_factory=dict)  # positions as journalled
+    form: str = "idx"                        # their positions.py form
+
+    @classmethod
+    def of(cls, idx: torch.Tensor | None, vals: torch.Tensor, numel: int,
+           stored: tuple[str, dict[str, torch.Tensor]] | None = None) -> Change:
+        """A change; its positions are gap-coded for the journal unless `stored` has them."""
+        if idx is None:
+            return cls(None, vals)
+        form, arrays = stored or positions.encode(idx, numel)
+        return cls(idx, vals, arrays, form)
+
+
+def _journal_changes(journal: dict[str, Any], state: dict[str, Any], path: Path
+                     ) -> tuple[dict[str, Change], dict[str, torch.Tensor]]:
+    """A committed journal's changes (positions decoded and validated) and the replaced values
+    it holds (only older releases wrote them)."""
+    arrays = dict(unpack(bytearray(path.read_bytes()))[0])
+    forms = journal.get("pos", {})
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, a in arrays.items():
+        n, _, suffix = key.rpartition("::")
+        parts.setdefault(n, {})[suffix] = a
+    changes: dict[str, Change] = {}
+    undo: dict[str, torch.Tensor] = {}
+    for n, ps in parts.items():
+        info = state["tensors"][n]
+        if "old" in ps:
+            undo[n] = ps.pop("old")
+        if "full" in ps:
+            changes[n] = Change(None, ps["full"])
+            continue
+        numel = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
+        vals = ps.pop("val")
+        form = forms.get(n, "idx")
+        idx = positions.decode(n, form, ps, vals.numel(), numel)
+        changes[n] = Change(idx, vals, ps, form)
+    return changes, undo

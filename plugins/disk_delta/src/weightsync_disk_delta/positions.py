@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from weightsync.errors import PayloadError
+
+from . import kernels
 
 FORMS = {"gap8": (np.uint8, 255), "gap16": (np.uint16, 65535)}
 _STORED = {np.uint8: np.uint8, np.uint16: np.int16}
@@ -29,29 +30,27 @@ def arrays_of(form: str) -> list[str]:
     raise PayloadError(f"unknown positions form {form!r}")
 
 
-def encode(idx: torch.Tensor, numel: int) -> tuple[str, dict[str, torch.Tensor]]:
-    """(form, suffix -> array) of ascending int64 positions, in the fewest bytes."""
+def encode(idx: torch.Tensor, numel: int, over: tuple[int, int] | None = None
+           ) -> tuple[str, dict[str, torch.Tensor]]:
+    """(form, suffix -> array) of ascending int64 positions, in the fewest bytes. `over`: how
+    many gaps exceed 255 and 65535, when the caller counted them already (kernels.scan does)."""
     far_t = np.int32 if numel < 2**31 else np.int64
     far_size = np.dtype(far_t).itemsize
     p = idx.numpy()
     n = p.size
-    gaps = np.diff(p, prepend=-1)
+    if over is None:
+        g = np.diff(p, prepend=-1)
+        over = (int(np.count_nonzero(g > 255)), int(np.count_nonzero(g > 65535)))
     best, best_bytes = "idx", n * far_size
-    for form, (t, top) in FORMS.items():
-        escapes = int(np.count_nonzero(gaps > top))
+    for (form, (t, _)), escapes in zip(FORMS.items(), over):
         nbytes = n * np.dtype(t).itemsize + far_size * escapes
         if nbytes < best_bytes:
             best, best_bytes = form, nbytes
-        if escapes * far_size <= n:       # no wider form can be smaller: skip counting for it
-            break
     if best == "idx":
         return best, {"idx": torch.from_numpy(p.astype(far_t))}
     t, top = FORMS[best]
-    big = gaps > top
-    small = gaps.astype(t)
-    small[big] = 0
-    return best, {best: torch.from_numpy(small.view(_STORED[t])),
-                  "far": torch.from_numpy(gaps[big].astype(far_t))}
+    small, far = kernels.gaps(p, top, t, far_t, over[0] if best == "gap8" else over[1])
+    return best, {best: torch.from_numpy(small.view(_STORED[t])), "far": torch.from_numpy(far)}
 
 
 def decode(name: str, form: str, parts: dict[str, torch.Tensor], count: int, numel: int) -> torch.Tensor:
@@ -71,15 +70,10 @@ def decode(name: str, form: str, parts: dict[str, torch.Tensor], count: int, num
     if small.numpy().dtype != _STORED[t] or small.dim() != 1 or small.numel() != count \
             or far.dtype not in (torch.int32, torch.int64) or far.dim() != 1:
         raise PayloadError(f"tensor {name!r}: malformed {form} positions")
-    gaps = small.numpy().view(t).astype(np.int64)
-    holes = gaps == 0
-    f = far.numpy()
-    if int(np.count_nonzero(holes)) != f.size or (f.size and int(f.min()) < 1):
+    idx = kernels.ungap(small.numpy().view(t), far.numpy())
+    if idx is None:
         raise PayloadError(f"tensor {name!r}: {form} positions do not match their escapes; the "
                            f"payload is corrupted")
-    gaps[holes] = f
-    idx = np.cumsum(gaps)
-    idx -= 1
     if idx.size and int(idx[-1]) >= numel:
         raise PayloadError(f"tensor {name!r}: sparse delta positions run past the tensor's "
                            f"{numel} elements; the payload is corrupted")

@@ -1,0 +1,148 @@
+"""numba versions of the loops in kernels.py: one pass over the bytes where numpy needs several
+(compare, collect, split into elements, gather). Imported only through kernels.py, and only when
+numba is installed. Compiled once per dtype and cached next to this file.
+
+Every kernel trusts its indices (no bounds checks): callers pass positions they found themselves
+or that were validated (ascending, inside the tensor) first."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+# nogil: a bucket's tensors run on every core at once (weightsync.parallel.map_threads)
+_JIT = {"nogil": True, "cache": True, "boundscheck": False}
+
+
+@numba.njit(inline="always")
+def _words(wa, wb, s, e, pos, vals, st, lanes, width, mask):  # type: ignore[no-untyped-def]
+    """The loop of `scan` for one element width. Inlined with literal lanes/width/mask, so the
+    lane loop unrolls and the shifts are constants: about 1.5x faster than reading them from
+    the array's itemsize at run time."""
+    count = st[0]
+    cap = pos.size
+    for i in range(s, e):
+        x = wa[i] ^ wb[i]
+        if x != 0:
+            w = wa[i]
+            for lane in range(lanes):
+                if (x >> (width * lane)) & mask:
+                    if count < cap:
+                        pos[count] = i * lanes + lane
+                        vals[count] = (w >> (width * lane)) & mask
+                    count += 1
+    st[0] = count
+
+
+@numba.njit(**_JIT)
+def scan(wa, wb, size, s, e, pos, vals, st):  # type: ignore[no-untyped-def]
+    """Words s..e of wa/wb (8-byte views of two tensors of `size`-byte elements): record the
+    position and new value (its bits, cast into `vals`) of every element that differs, while
+    `pos` has room; count them all in st[0] (carried across calls)."""
+    if size == 2:
+        _words(wa, wb, s, e, pos, vals, st, 4, 16, 0xFFFF)
+    elif size == 4:
+        _words(wa, wb, s, e, pos, vals, st, 2, 32, 0xFFFFFFFF)
+    elif size == 1:
+        _words(wa, wb, s, e, pos, vals, st, 8, 8, 0xFF)
+    else:
+        _words(wa, wb, s, e, pos, vals, st, 1, 0, -1)
+
+
+@numba.njit(**_JIT)
+def scan_tail(a, b, start, pos, vals, st):  # type: ignore[no-untyped-def]
+    """The elements from `start` on that do not fill a whole word, one by one."""
+    count = st[0]
+    for j in range(start, a.size):
+        if a[j] != b[j]:
+            if count < pos.size:
+                pos[count] = j
+                vals[count] = a[j]
+            count += 1
+    st[0] = count
+
+
+@numba.njit(**_JIT)
+def gap_counts(pos):  # type: ignore[no-untyped-def]
+    """How many gaps between ascending positions (the first from -1) exceed 255 and 65535:
+    they pick the positions' form. A separate pass over the positions, not part of scan's loop,
+    which it would slow by about 6 %."""
+    last = -1
+    over8 = 0
+    over16 = 0
+    for k in range(pos.size):
+        g = pos[k] - last
+        last = pos[k]
+        over8 += g > 255
+        over16 += g > 65535
+    return over8, over16
+
+
+@numba.njit(**_JIT)
+def gaps(pos, top, small, far):  # type: ignore[no-untyped-def]
+    """Ascending positions as gaps from the previous one (the first from -1); a gap above `top`
+    is stored as 0 in `small` and its value appended to `far`. Returns how many went to far."""
+    last = -1
+    f = 0
+    for k in range(pos.size):
+        g = pos[k] - last
+        last = pos[k]
+        if g > top:
+            small[k] = 0
+            far[f] = g
+            f += 1
+        else:
+            small[k] = g
+    return f
+
+
+@numba.njit(**_JIT)
+def ungap(small, far, out):  # type: ignore[no-untyped-def]
+    """The inverse of gaps, checked: False when the zeros in `small` and the entries of `far`
+    do not pair up one to one, or a far gap is below 1."""
+    f = 0
+    p = -1
+    for k in range(small.size):
+        g = small[k]
+        if g == 0:
+            if f >= far.size or far[f] < 1:
+                return False
+            p += far[f]
+            f += 1
+        else:
+            p += g
+        out[k] = p
+    return f == far.size
+
+
+@numba.njit(**_JIT)
+def swap(region, idx, vals, old, k0, k1):  # type: ignore[no-untyped-def]
+    """Changes k0..k1: keep the current value in `old`, write the new one."""
+    for k in range(k0, k1):
+        p = idx[k]
+        old[k] = region[p]
+        region[p] = vals[k]
+
+
+@numba.njit(**_JIT)
+def put(region, idx, vals, k0, k1):  # type: ignore[no-untyped-def]
+    for k in range(k0, k1):
+        region[idx[k]] = vals[k]
+
+
+def warm() -> None:
+    """Compile (or load from the cache) the bf16/fp16 and fp32 variants before the first sync."""
+    for t in (np.int16, np.int32):
+        a = np.zeros(8, t)
+        pos, vals = np.empty(8, np.int64), np.empty(8, t)
+        st = np.zeros(1, np.int64)
+        scan(a.view(np.int64), a.view(np.int64), a.itemsize, 0, 1, pos, vals, st)
+        scan_tail(a, a, 0, pos, vals, st)
+        gap_counts(pos)
+        old = np.empty(8, t)
+        swap(a, pos[:0], vals, old, 0, 0)
+        put(a, pos, vals, 0, 0)
+    for t in (np.uint8, np.uint16):
+        small = np.zeros(0, t)
+        gaps(np.zeros(0, np.int64), 255, small, np.zeros(0, np.int32))
+        ungap(small, np.zeros(0, np.int32), np.zeros(0, np.int64))

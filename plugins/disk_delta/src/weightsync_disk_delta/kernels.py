@@ -1,0 +1,166 @@
+"""The hot loops of a delta: find what changed (sender), turn positions into gaps and back, write
+changes into a tensor while keeping what they replace (host). With numba installed (a dependency
+of this plugin) each is one compiled pass over the bytes, and the tensor's digest is hashed chunk
+by chunk while those bytes are still in cache; without it (or with WEIGHTSYNC_JIT=0) numpy and
+torch give the same results, several times slower. Tests run both and compare them."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+CHUNK_BYTES = 1 << 20          # hashed per step, right after the kernel went over them
+
+JIT = os.environ.get("WEIGHTSYNC_JIT", "1") != "0"
+_jit: Any = None
+
+
+def jit() -> Any:
+    """The compiled kernels, or None when numba is missing or switched off."""
+    global _jit, JIT
+    if not JIT:
+        return None
+    if _jit is None:
+        try:
+            from . import _jit as mod
+        except ImportError:          # numba missing, or not built for this Python yet
+            JIT = False
+            return None
+        _jit = mod
+    return _jit
+
+
+def warm() -> None:
+    """Compile or load the kernels now, not inside the first sync that needs them."""
+    k = jit()
+    if k is not None:
+        k.warm()
+
+
+def _plain(a: np.ndarray) -> np.ndarray:
+    """A writable, aligned array (a small copy at most): payload views are read-only and may be
+    unaligned, and each such variant would be one more compiled signature."""
+    return a if a.flags.writeable and a.flags.aligned and a.flags.c_contiguous else a.copy()
+
+
+def _hash_chunks(hasher: Any, flat: np.ndarray, s: int, e: int) -> None:
+    hasher.update(memoryview(flat[s:e]).cast("B"))
+
+
+class Scan(NamedTuple):
+    count: int                          # elements that differ
+    idx: torch.Tensor | None            # their int64 positions (None: more than the limit)
+    vals: torch.Tensor | None           # their new values (integer bits)
+    over8: int                          # gaps between positions above 255 (0 without idx)
+    over16: int                         # ... above 65535
+
+
+def scan(nb: torch.Tensor, bb: torch.Tensor, limit: int, hasher: Any = None) -> Scan:
+    """Where the integer views `nb` (new) and `bb` (base) differ, with the new values, while at
+    most `limit` differ (-1: only count). `hasher` (an xxh3 object) is fed nb's bytes."""
+    a, b = nb.numpy(), bb.numpy()
+    k = jit()
+    if k is None:
+        return _scan_numpy(nb, bb, limit, hasher)
+    lanes = 8 // a.itemsize
+    body = a.size - a.size % lanes
+    wa, wb = a[:body].view(np.int64), b[:body].view(np.int64)
+    cap = max(limit, 0)
+    pos, vals = np.empty(cap, np.int64), np.empty(cap, a.dtype)
+    st = np.zeros(1, np.int64)
+    step = wa.size if hasher is None else CHUNK_BYTES // 8
+    for s in range(0, wa.size, max(step, 1)):
+        e = min(s + step, wa.size)
+        k.scan(wa, wb, a.itemsize, s, e, pos, vals, st)
+        if hasher is not None:
+            _hash_chunks(hasher, a, s * lanes, e * lanes)
+    k.scan_tail(a, b, body, pos, vals, st)
+    if hasher is not None:
+        _hash_chunks(hasher, a, body, a.size)
+    count = int(st[0])
+    if limit < 0 or count > limit:
+        return Scan(count, None, None, 0, 0)
+    over8, over16 = k.gap_counts(pos[:count])
+    return Scan(count, torch.from_numpy(pos[:count]), torch.from_numpy(vals[:count]),
+                int(over8), int(over16))
+
+
+def _scan_numpy(nb: torch.Tensor, bb: torch.Tensor, limit: int, hasher: Any) -> Scan:
+    from .codec import changed_positions
+    if hasher is not None:
+        hasher.update(memoryview(nb.numpy()).cast("B"))
+    idx, count = changed_positions(nb, bb, limit)
+    if idx is None:
+        return Scan(count, None, None, 0, 0)
+    g = np.diff(idx.numpy(), prepend=-1)
+    return Scan(count, idx, torch.take(nb, idx), int(np.count_nonzero(g > 255)),
+                int(np.count_nonzero(g > 65535)))
+
+
+def gaps(idx: np.ndarray, top: int, small_t: Any, far_t: Any, n_far: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending positions as gaps (`small_t`), a gap above `top` stored as 0 and appended to
+    `far` (`far_t`, `n_far` of them)."""
+    k = jit()
+    if k is None:
+        g = np.diff(idx, prepend=-1)
+        big = g > top
+        small = g.astype(small_t)
+        small[big] = 0
+        return small, g[big].astype(far_t)
+    small, far = np.empty(idx.size, small_t), np.empty(n_far, far_t)
+    k.gaps(idx, top, small, far)
+    return small, far
+
+
+def ungap(small: np.ndarray, far: np.ndarray) -> np.ndarray | None:
+    """int64 positions from gaps (unsigned) and escapes; None when they do not pair up."""
+    k = jit()
+    if k is None:
+        g = small.astype(np.int64)
+        holes = g == 0
+        if int(np.count_nonzero(holes)) != far.size or (far.size and int(far.min()) < 1):
+            return None
+        g[holes] = far
+        out = np.cumsum(g)
+        out -= 1
+        return out
+    out = np.empty(small.size, np.int64)
+    return out if k.ungap(_plain(small), _plain(far), out) else None
+
+
+def swap(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, hasher: Any = None) -> torch.Tensor:
+    """Write `vals` at `idx` (validated) into the flat integer tensor `region`; returns the
+    values they replaced. `hasher` is fed region's bytes after the write."""
+    k = jit()
+    if k is None:
+        old = torch.take(region, idx)
+        region.index_put_((idx,), vals)
+        if hasher is not None:
+            hasher.update(memoryview(region.numpy()).cast("B"))
+        return old
+    r, i, v = region.numpy(), _plain(idx.numpy()), _plain(vals.numpy())
+    old = np.empty_like(v)
+    if hasher is None:
+        k.swap(r, i, v, old, 0, i.size)
+        return torch.from_numpy(old)
+    step = max(1, CHUNK_BYTES // r.itemsize)
+    k0 = 0
+    for s in range(0, max(r.size, 1), step):
+        k1 = int(np.searchsorted(i, s + step)) if s + step < r.size else i.size
+        k.swap(r, i, v, old, k0, k1)
+        k0 = k1
+        _hash_chunks(hasher, r, s, s + step)
+    return torch.from_numpy(old)
+
+
+def put(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """region[idx] = vals for a flat integer tensor and validated int64 positions."""
+    k = jit()
+    if k is None:
+        region.index_put_((idx,), vals)
+    else:
+        i = _plain(idx.numpy())
+        k.put(region.numpy(), i, _plain(vals.numpy()), 0, i.size)

@@ -1,0 +1,106 @@
+"""The hot loops, compiled (numba) and plain (numpy/torch): both give exactly what a plain
+element-by-element comparison gives, on every element width and on sizes that do not fill a word."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from weightsync.bucket import tensor_digest, tensor_hasher
+from weightsync_disk_delta import kernels, positions
+from weightsync_disk_delta.codec import bits, encode_tensor
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "numba":
+        monkeypatch.setattr(kernels, "JIT", True)
+        assert kernels.jit() is not None, "numba is a dependency of weightsync-disk-delta"
+    else:
+        monkeypatch.setattr(kernels, "JIT", False)
+        assert kernels.jit() is None
+    return request.param
+
+
+def _pair(dtype: torch.dtype, numel: int, density: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(-100, 100, (numel,), generator=g).to(torch.float32)
+    if dtype == torch.uint8:
+        base = torch.randint(0, 255, (numel,), generator=g, dtype=torch.uint8)
+    else:
+        base = (base * 0.37).to(dtype)
+    new = base.clone()
+    k = round(density * numel)
+    idx = torch.randperm(numel, generator=g)[:k]
+    b = bits(new)
+    b[idx] = b[idx] ^ torch.randint(1, 7, (k,), generator=g).to(b.dtype)   # never 0: a change
+    return new, base
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.int64])
+@pytest.mark.parametrize("numel", [0, 1, 7, 4099, 300_001])
+@pytest.mark.parametrize("density", [0.0, 0.002, 0.01, 0.3, 1.0])
+def test_scan_finds_exactly_the_changed_elements(backend: str, dtype: torch.dtype, numel: int,
+                                                 density: float) -> None:
+    new, base = _pair(dtype, numel, density)
+    nb, bb = bits(new), bits(base)
+    want = torch.nonzero(nb != bb).reshape(-1)
+    h = tensor_hasher("w", new)
+    found = kernels.scan(nb, bb, numel, h)
+    assert h.hexdigest() == tensor_digest("w", new)
+    assert found.count == want.numel()
+    assert found.idx is not None and found.vals is not None
+    assert torch.equal(found.idx, want)
+    assert torch.equal(found.vals, nb[want])
+    g = np.diff(want.numpy(), prepend=-1)
+    assert (found.over8, found.over16) == (int((g > 255).sum()), int((g > 65535).sum()))
+    if want.numel():                        # over the limit: counted exactly, no positions
+        over = kernels.scan(nb, bb, want.numel() - 1)
+        assert over.count == want.numel() and over.idx is None
+    assert kernels.scan(nb, bb, -1).count == want.numel()
+
+
+@pytest.mark.parametrize("density", [0.0005, 0.01, 0.2])
+def test_gaps_round_trip_and_bad_escapes_are_refused(backend: str, density: float) -> None:
+    numel = 1 << 20
+    idx = torch.from_numpy(np.sort(np.random.default_rng(1).choice(numel, int(density * numel),
+                                                                    replace=False)))
+    form, arrays = positions.encode(idx, numel)
+    again = positions.encode(idx, numel, None)
+    assert form == again[0] and all(torch.equal(arrays[k], again[1][k]) for k in arrays)
+    out = positions.decode("w", form, arrays, idx.numel(), numel)
+    assert torch.equal(out, idx)
+    for top, t in ((255, np.uint8), (65535, np.uint16)):
+        small, far = kernels.gaps(idx.numpy(), top, t, np.int32, int((np.diff(idx.numpy(), prepend=-1) > top).sum()))
+        assert np.array_equal(kernels.ungap(small, far), idx.numpy())
+        if far.size:
+            assert kernels.ungap(small, far[:-1]) is None        # an escape without its gap
+            bad = far.copy()
+            bad[0] = 0
+            assert kernels.ungap(small, bad) is None             # a far gap below 1
+        assert kernels.ungap(small, np.append(far, 300).astype(np.int32)) is None   # one too many
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swap_writes_new_values_returns_old_ones_and_hashes_the_result(backend: str, dtype: torch.dtype) -> None:
+    new, base = _pair(dtype, (3 << 20) + 5, 0.01, seed=2)     # several hash chunks and a tail
+    nb, bb = bits(new), bits(base)
+    idx = torch.nonzero(nb != bb).reshape(-1)
+    region = bb.clone()
+    h = tensor_hasher("w", new)
+    old = kernels.swap(region, idx, nb[idx], h)
+    assert torch.equal(region, nb) and torch.equal(old, bb[idx])
+    assert h.hexdigest() == tensor_digest("w", new)
+    kernels.put(region, idx, old)
+    assert torch.equal(region, bb)
+
+
+def test_encode_is_the_same_with_and_without_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+    new, base = _pair(torch.bfloat16, 1 << 20, 0.01, seed=3)
+    out = {}
+    for jit in (True, False):
+        monkeypatch.setattr(kernels, "JIT", jit)
+        enc = encode_tensor("w", new, base, density_threshold=0.25, zstd_level=1, xor_min_density=0.02)
+        out[jit] = (enc.entry, [(k, a.clone()) for k, a in enc.arrays], enc.digest)
+    assert out[True][0] == out[False][0] and out[True][2] == out[False][2] == tensor_digest("w", new)
+    assert all(k1 == k2 and torch.equal(a1, a2) for (k1, a1), (k2, a2) in zip(out[True][1], out[False][1]))
