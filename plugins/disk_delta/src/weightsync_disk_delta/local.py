@@ -242,24 +242,27 @@ class LocalCheckpoint:
         if "new" not in journal:        # an older release's journal: new values only, no undo
             journal = {"old": None, "new": journal}
         old_state, new_state = journal["old"], journal["new"]
-        undo: dict[str, torch.Tensor] = {}
-        if changes is None:
+        v_old, v_new = (old_state or {}).get("version"), new_state["version"]
+        if changes is None:                         # a replay: only the journal knows the values
             changes, undo = _journal_changes(journal, new_state, j / "changes.safetensors")
-            if old_state is not None and set(undo) != set(changes):
-                old_state = None                    # nothing to put back after a crash
+            can_undo = old_state is not None and set(undo) == set(changes)
+            capture = None
+        else:
+            undo = capture = {}                     # filled by the write below
+            can_undo = True
         by_file: dict[str, list[str]] = {}
         for n in sorted(changes):
             by_file.setdefault(new_state["tensors"][n]["file"], []).append(n)
-        bad = self._write(d, by_file, changes, new_state, undo)
+        bad = self._write(d, by_file, changes, new_state, capture)
         if bad:
-            still = bad if old_state is None else self._write(
+            still = bad if not can_undo else self._write(
                 d, by_file, {n: Change(changes[n].idx, undo[n]) for n in changes}, old_state, None)
-            v_old, v_new = (old_state or {}).get("version"), new_state["version"]
             if still:
                 (d / "state.json").unlink(missing_ok=True)
-                what = (f"the local checkpoint cannot be brought back to version {v_old} (tensors "
-                        f"{still[:5]} differ from their digests); it was discarded and the newest "
-                        f"full version will be installed")
+                why = (f"tensors {still[:5]} differ from their digests" if can_undo else
+                       "the values it replaced are not known after a crash")
+                what = (f"the local checkpoint cannot be brought back to version {v_old} ({why}); "
+                        f"it was discarded and the newest full version will be installed")
             else:
                 what = f"the delta was not applied; the local checkpoint stays at version {v_old}"
             self._drop_journal(d)
@@ -271,8 +274,8 @@ class LocalCheckpoint:
     def _write(self, d: Path, by_file: dict[str, list[str]], changes: dict[str, Change],
                state: dict[str, Any], undo: dict[str, torch.Tensor] | None) -> list[str]:
         """Write `changes` into the data files, hashing each changed tensor as it goes; returns
-        the names whose bytes then differ from `state`'s digests. `undo` (when given and not
-        already filled from a journal) receives the values each write replaced."""
+        the names whose bytes then differ from `state`'s digests. `undo`, when given, receives
+        the values each write replaced."""
         with ExitStack() as stack:             # every file mapped at once: one pass over all tensors
             bufs = {f: stack.enter_context(mapped(d / f, self.fsync)) for f in by_file}
 
@@ -284,13 +287,13 @@ class LocalCheckpoint:
                 view = region.view(dtype_from_name(info["dtype"])).reshape(info["shape"])
                 h = tensor_hasher(n, view)
                 if c.idx is None:
-                    if undo is not None and n not in undo:
+                    if undo is not None:
                         undo[n] = region.clone()
                     region.copy_(c.vals.reshape(-1).view(region.dtype))
                     h.update(memoryview(region.numpy()).cast("B"))
                 else:
                     old = kernels.swap(region, c.idx, c.vals.view(region.dtype), h)
-                    if undo is not None and n not in undo:
+                    if undo is not None:
                         undo[n] = old
                 return h.hexdigest() == info["digest"]
             items = [(f, n) for f, names in by_file.items() for n in names]
