@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from weightsync.bucket import tensor_digest, tensor_hasher
 from weightsync_disk_delta import kernels, positions
 from weightsync_disk_delta.codec import bits, encode_tensor

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
 from weightsync.bucket import tensor_digest
 from weightsync.errors import PayloadError, WeightSyncError
 from weightsync.interfaces import Adapter

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 import zstandard
+
 from weightsync.bucket import dtype_name, tensor_digest, tensor_hasher
 from weightsync.errors import PayloadError
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
 from weightsync.bucket import Bucket, combine_digests, tensor_digest
 from weightsync.errors import ConfigError, PayloadError
 from weightsync.interfaces import Alloc, Encoding, Payload

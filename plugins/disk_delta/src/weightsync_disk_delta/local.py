@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
 from weightsync.bucket import dtype_from_name, tensor_digest, tensor_hasher
 from weightsync.errors import PayloadError
 from weightsync.parallel import map_threads

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from weightsync.errors import PayloadError
 
 from . import kernels
