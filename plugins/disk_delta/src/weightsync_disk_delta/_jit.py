@@ -9,28 +9,45 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 # nogil: a bucket's tensors run on every core at once (weightsync.parallel.map_threads)
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
+_U = np.uint64
+
+
+@numba.njit(inline="always")
+def _lanes(wa, wb, i, pos, vals, count, lanes, width, mask):  # type: ignore[no-untyped-def]
+    """Record the elements that differ inside word i; returns the new count."""
+    w = wa[i]
+    x = w ^ wb[i]
+    for lane in range(lanes):
+        if (x >> (width * lane)) & mask:
+            if count < pos.size:
+                pos[count] = i * lanes + lane
+                vals[count] = (w >> (width * lane)) & mask
+            count += 1
+    return count
 
 
 @numba.njit(inline="always")
 def _words(wa, wb, s, e, pos, vals, st, lanes, width, mask):  # type: ignore[no-untyped-def]
-    """The loop of `scan` for one element width. Inlined with literal lanes/width/mask, so the
-    lane loop unrolls and the shifts are constants: about 1.5x faster than reading them from
-    the array's itemsize at run time."""
+    """The loop of `scan` for one element width, inlined with literal lanes/width/mask so the
+    lane loop unrolls and the shifts are constants (1.5x). Words are compared 64 at a time into
+    a bit mask, a loop the compiler vectorizes; only the set bits are visited (1.35x more)."""
     count = st[0]
-    cap = pos.size
-    for i in range(s, e):
-        x = wa[i] ^ wb[i]
-        if x != 0:
-            w = wa[i]
-            for lane in range(lanes):
-                if (x >> (width * lane)) & mask:
-                    if count < cap:
-                        pos[count] = i * lanes + lane
-                        vals[count] = (w >> (width * lane)) & mask
-                    count += 1
+    i = s
+    while i + 64 <= e:
+        bits = _U(0)
+        for k in range(64):
+            bits |= _U(wa[i + k] != wb[i + k]) << _U(k)
+        while bits != _U(0):
+            count = _lanes(wa, wb, i + trailing_zeros(bits), pos, vals, count, lanes, width, mask)
+            bits &= bits - _U(1)
+        i += 64
+    for j in range(i, e):
+        if wa[j] != wb[j]:
+            count = _lanes(wa, wb, j, pos, vals, count, lanes, width, mask)
     st[0] = count
 
 
