@@ -2,7 +2,7 @@
 changes into a tensor while keeping what they replace (host). With numba installed (a dependency
 of this plugin) each is one compiled pass over the bytes, and the tensor's digest is hashed chunk
 by chunk while those bytes are still in cache; without it (or with WEIGHTSYNC_JIT=0) numpy and
-torch give the same results in several passes (publishing about 1.5x slower). Tests run both and
+torch give the same results in several passes (publishing about 2x slower). Tests run both and
 compare them."""
 
 from __future__ import annotations
