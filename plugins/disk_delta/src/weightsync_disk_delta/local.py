@@ -251,13 +251,10 @@ class LocalCheckpoint:
         else:
             undo = capture = {}                     # filled by the write below
             can_undo = True
-        by_file: dict[str, list[str]] = {}
-        for n in sorted(changes):
-            by_file.setdefault(new_state["tensors"][n]["file"], []).append(n)
-        bad = self._write(d, by_file, changes, new_state, capture)
+        bad = self._write(d, changes, new_state, capture)
         if bad:
             still = bad if not can_undo else self._write(
-                d, by_file, {n: Change(changes[n].idx, undo[n]) for n in changes}, old_state, None)
+                d, {n: Change(changes[n].idx, undo[n]) for n in changes}, old_state, None)
             if still:
                 (d / "state.json").unlink(missing_ok=True)
                 why = (f"tensors {still[:5]} differ from their digests" if can_undo else
@@ -272,19 +269,20 @@ class LocalCheckpoint:
         atomic_write(d / "state.json", json.dumps(new_state).encode(), self.fsync)
         self._drop_journal(d)
 
-    def _write(self, d: Path, by_file: dict[str, list[str]], changes: dict[str, Change],
-               state: dict[str, Any], undo: dict[str, torch.Tensor] | None) -> list[str]:
+    def _write(self, d: Path, changes: dict[str, Change], state: dict[str, Any],
+               undo: dict[str, torch.Tensor] | None) -> list[str]:
         """Write `changes` into the data files, hashing each changed tensor as it goes; returns
         the names whose bytes then differ from `state`'s digests. `undo`, when given, receives
         the values each write replaced."""
+        names = sorted(changes)
+        files = {state["tensors"][n]["file"] for n in names}
         with ExitStack() as stack:             # every file mapped at once: one pass over all tensors
-            bufs = {f: stack.enter_context(mapped(d / f, self.fsync)) for f in by_file}
+            bufs = {f: stack.enter_context(mapped(d / f, self.fsync)) for f in files}
 
-            def write_and_check(item: tuple[str, str]) -> bool:
-                fname, n = item
+            def write_and_check(n: str) -> bool:
                 info = state["tensors"][n]
                 c = changes[n]
-                region = _region(bufs[fname], info)
+                region = _region(bufs[info["file"]], info)
                 view = region.view(dtype_from_name(info["dtype"])).reshape(info["shape"])
                 h = tensor_hasher(n, view)
                 if c.idx is None:
@@ -297,8 +295,7 @@ class LocalCheckpoint:
                     if undo is not None:
                         undo[n] = old
                 return h.hexdigest() == info["digest"]
-            items = [(f, n) for f, names in by_file.items() for n in names]
-            return [n for (_, n), ok in zip(items, map_threads(write_and_check, items)) if not ok]
+            return [n for n, ok in zip(names, map_threads(write_and_check, names)) if not ok]
 
     @staticmethod
     def _drop_journal(d: Path) -> None:
