@@ -117,3 +117,18 @@ def test_a_journal_of_an_earlier_release_replays_and_undoes(tmp_path: Path, trai
         with lc.locked():
             assert lc.version == 2
         assert bit_equal(lc.tensors(), states[2]) == []
+
+
+def test_mappings_are_released_after_a_write(tmp_path: Path) -> None:
+    """The data files' mappings are unmapped on a thread of their own once the write is done:
+    the written bytes are in the file, and no mapping stays behind."""
+    from weightsync_disk_delta.local import map_file, unmap_later
+    f = tmp_path / "data.bin"
+    f.write_bytes(bytes(4096))
+    maps = [map_file(f)]
+    mm, buf = maps[0]
+    buf[10:12] = 7
+    del buf
+    unmap_later(maps).join(timeout=10)
+    assert mm.closed and maps == []
+    assert f.read_bytes()[10:12] == b"\x07\x07"

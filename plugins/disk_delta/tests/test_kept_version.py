@@ -46,6 +46,7 @@ def test_kept_version_follows_commits_and_ignores_rollbacks() -> None:
     v2 = _step(v1, 2)
     p2 = _sync(enc, v2, 2)
     assert p2.meta["kind"] == "delta" and {e["kind"] for e in p2.meta["tensors"].values()} == {"sparse"}
+    assert enc.settle() > 0 and enc.settle() == 0.0   # the patch ran in the background, once
     assert _equal(enc.kept(), v2)
     v3 = _step(v2, 3)
     _sync(enc, v3, 3, commit=False)                 # the engines never got version 3

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -61,21 +62,26 @@ class _Background(threading.Thread):
         super().__init__(name="weightsync-delta-kept", daemon=True)
         self._fn: Callable[[], Any] = fn
         self._error: BaseException | None = None
+        self.seconds = 0.0
         _Background.running.add(self)
         self.start()
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._fn()
         except BaseException as e:        # noqa: BLE001 - handed to result()
             self._error = e
         finally:
+            self.seconds = time.perf_counter() - t0
             _Background.running.discard(self)
 
-    def result(self) -> None:
+    def result(self) -> float:
+        """Wait; the seconds the call ran."""
         self.join()
         if self._error is not None:
             raise self._error
+        return self.seconds
 
 
 os.register_at_fork(before=lambda: [t.join() for t in list(_Background.running)])
@@ -125,7 +131,7 @@ class DeltaEncoding(Encoding):
             self.base_version = self.options.base_version
 
     def begin(self, version: int) -> None:
-        self._settle()
+        self.settle()
         if not self._seeded:
             self._seed()
             kernels.warm()
@@ -189,22 +195,24 @@ class DeltaEncoding(Encoding):
                 "base_version": base_version, "tensors": entries, "changed_elements": changed_total}
         return Payload(bucket.index, bucket.last, self.name, bucket.digest(), bucket.specs(), body, meta)
 
-    def _settle(self) -> None:
-        """Wait until the last commit's patches are in the kept version."""
-        if self._writing is not None:
-            writing, self._writing = self._writing, None
-            writing.result()
+    def settle(self) -> float:
+        """Wait until the last commit's patches are in the kept version; returns how long that
+        background work ran (0.0: none was pending). The next sync does this by itself."""
+        if self._writing is None:
+            return 0.0
+        writing, self._writing = self._writing, None
+        return writing.result()
 
     def kept(self) -> dict[str, torch.Tensor]:
         """The kept version (what the engines hold), for checks and tests."""
-        self._settle()
+        self.settle()
         return dict(self._base or {})
 
     def commit(self, version: int) -> None:
         if self._pending is None or version != self._pending:
             return                       # receiver side, or a version this encoding did not stage
         assert self._base is not None
-        self._settle()
+        self.settle()
         patches = []
         for name, (update, _) in self._staged.items():
             if update[0] == "patch":
