@@ -49,10 +49,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def tensor_header(name: str, t: torch.Tensor) -> bytes:
+    """What a tensor's digest hashes before its bytes: its name, dtype and shape."""
+    return f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode()
+
+
 def tensor_hasher(name: str, t: torch.Tensor) -> xxhash.xxh3_128:
-    """An xxh3-128 state that has taken the tensor's name, dtype and shape; fed the tensor's
-    bytes in order (at once or in chunks), its hexdigest is `tensor_digest`."""
-    return xxhash.xxh3_128(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode())
+    """An xxh3-128 state that has taken `tensor_header`; fed the tensor's bytes in order (at
+    once or in chunks), its hexdigest is `tensor_digest`."""
+    return xxhash.xxh3_128(tensor_header(name, t))
 
 
 def tensor_digest(name: str, t: torch.Tensor) -> str:

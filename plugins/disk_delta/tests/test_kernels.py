@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.bucket import tensor_digest, tensor_hasher
-from weightsync_disk_delta import kernels, positions
+import xxhash
+
+from weightsync.bucket import tensor_digest, tensor_hasher, tensor_header
+from weightsync_disk_delta import hashing, kernels, positions
 from weightsync_disk_delta.codec import bits, encode_tensor
 
 
@@ -49,6 +51,9 @@ def test_scan_finds_exactly_the_changed_elements(backend: str, dtype: torch.dtyp
     h = tensor_hasher("w", new)
     found = kernels.scan(nb, bb, numel, h)
     assert h.hexdigest() == tensor_digest("w", new)
+    d = hashing.Digest(tensor_header("w", new))             # fed by the compiled loop itself
+    again = kernels.scan(nb, bb, numel, d)
+    assert d.hexdigest() == tensor_digest("w", new) and again.count == found.count
     assert found.count == want.numel()
     assert found.idx is not None and found.vals is not None
     assert torch.equal(found.idx, want)
@@ -87,13 +92,13 @@ def test_swap_writes_new_values_returns_old_ones_and_hashes_the_result(backend: 
     new, base = _pair(dtype, (3 << 20) + 5, 0.01, seed=2)     # several hash chunks and a tail
     nb, bb = bits(new), bits(base)
     idx = torch.nonzero(nb != bb).reshape(-1)
-    region = bb.clone()
-    h = tensor_hasher("w", new)
-    old = kernels.swap(region, idx, nb[idx], h)
-    assert torch.equal(region, nb) and torch.equal(old, bb[idx])
-    assert h.hexdigest() == tensor_digest("w", new)
-    kernels.put(region, idx, old)
-    assert torch.equal(region, bb)
+    for h in (tensor_hasher("w", new), hashing.Digest(tensor_header("w", new))):
+        region = bb.clone()
+        old = kernels.swap(region, idx, nb[idx], h)
+        assert torch.equal(region, nb) and torch.equal(old, bb[idx])
+        assert h.hexdigest() == tensor_digest("w", new)
+        kernels.put(region, idx, old)
+        assert torch.equal(region, bb)
 
 
 def test_encode_is_the_same_with_and_without_numba(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,3 +110,27 @@ def test_encode_is_the_same_with_and_without_numba(monkeypatch: pytest.MonkeyPat
         out[jit] = (enc.entry, [(k, a.clone()) for k, a in enc.arrays], enc.digest)
     assert out[True][0] == out[False][0] and out[True][2] == out[False][2] == tensor_digest("w", new)
     assert all(k1 == k2 and torch.equal(a1, a2) for (k1, a1), (k2, a2) in zip(out[True][1], out[False][1]))
+
+
+def test_the_compiled_loops_can_feed_xxhash_directly() -> None:
+    """The xxhash package exports its C streaming functions and they agree with it; without
+    them the loops still give the same digests, only through Python in large chunks."""
+    assert hashing.library() is not None, (
+        "the installed xxhash package no longer exports XXH3_128bits_*: digests stay right, but "
+        "the compare and the host's write hash in a second pass (slower)")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_digest_in_any_chunks_is_xxh3_128_of_header_and_bytes(native: bool) -> None:
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 70_001, dtype=np.uint8)
+    header = b"model.layers.0.weight|bfloat16|[7, 10000]\n"
+    want = xxhash.xxh3_128(header + data.tobytes()).hexdigest()
+    for cuts in ([], [1], [63, 64, 65], [240, 241, 1000, 69_999], list(range(0, 70_001, 4096))):
+        d = hashing.Digest(header, native=native)
+        assert (d.address is not None) == native
+        last = 0
+        for c in cuts + [data.size]:
+            d.update(data[last:c])
+            last = c
+        assert d.hexdigest() == want

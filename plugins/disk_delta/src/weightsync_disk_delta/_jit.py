@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 # nogil: a bucket's tensors run on every core at once (weightsync.parallel.map_threads)
@@ -58,12 +61,47 @@ def _words(wa, wb, s, e, pos, vals, st, lanes, width, mask):  # type: ignore[no-
     st[0] = count
 
 
+@intrinsic
+def _hash(typingctx, fn, state, ptr, n):  # type: ignore[no-untyped-def]
+    """Call the C function at address `fn` as XXH3_128bits_update(state, ptr, n); all four are
+    integers, so the compiled code holds no address and stays cacheable."""
+    if not all(isinstance(t, types.Integer) for t in (fn, state, ptr, n)):
+        return None
+    sig = types.void(fn, state, ptr, n)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        f, st, p, k = args
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.IntType(32), [i8p, i8p, ir.IntType(64)])
+        builder.call(builder.inttoptr(f, fnty.as_pointer()),
+                     [builder.inttoptr(st, i8p), builder.inttoptr(p, i8p), k])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 @numba.njit(**_JIT)
 def scan(wa, wb, size, s, e, pos, vals, st):  # type: ignore[no-untyped-def]
     """Words s..e of wa/wb (8-byte views of two tensors of `size`-byte elements): record the
     position and new value (its bits, cast into `vals`) of every element that differs, while
     `pos` has room (pos/vals carry 8 // size slots of slack past it); count them all in st[0]
     (carried across calls)."""
+    _scan(wa, wb, size, s, e, pos, vals, st)
+
+
+@numba.njit(**_JIT)
+def scan_fed(wa, wb, size, pos, vals, st, fn, state, step):  # type: ignore[no-untyped-def]
+    """`scan` over all words, feeding wa's bytes to the C hash state every `step` words, while
+    they are still in cache."""
+    n = wa.size
+    base = wa.ctypes.data
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        _scan(wa, wb, size, s, e, pos, vals, st)
+        _hash(fn, state, base + s * 8, (e - s) * 8)
+
+
+@numba.njit(inline="always")
+def _scan(wa, wb, size, s, e, pos, vals, st):  # type: ignore[no-untyped-def]
     if size == 2:
         _words(wa, wb, s, e, pos, vals, st, 4, 16, 0xFFFF)
     elif size == 4:
@@ -150,6 +188,24 @@ def swap(region, idx, vals, old, k0, k1):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_JIT)
+def swap_fed(region, idx, vals, old, fn, state, step):  # type: ignore[no-untyped-def]
+    """`swap` of every change, feeding the region's bytes to the C hash state every `step`
+    elements, right after their changes were written."""
+    n = region.size
+    size = region.itemsize
+    base = region.ctypes.data
+    k = 0
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        while k < idx.size and idx[k] < e:
+            p = idx[k]
+            old[k] = region[p]
+            region[p] = vals[k]
+            k += 1
+        _hash(fn, state, base + s * size, (e - s) * size)
+
+
+@numba.njit(**_JIT)
 def put(region, idx, vals, k0, k1):  # type: ignore[no-untyped-def]
     for k in range(k0, k1):
         region[idx[k]] = vals[k]
@@ -162,10 +218,12 @@ def warm() -> None:
         pos, vals = np.empty(8, np.int64), np.empty(8, t)
         st = np.zeros(1, np.int64)
         scan(a.view(np.int64), a.view(np.int64), a.itemsize, 0, 1, pos, vals, st)
+        scan_fed(a[:0].view(np.int64), a[:0].view(np.int64), a.itemsize, pos, vals, st, 0, 0, 1)
         scan_tail(a, a, 0, pos, vals, st)
         gap_counts(pos)
         old = np.empty(8, t)
         swap(a, pos[:0], vals, old, 0, 0)
+        swap_fed(a[:0], pos[:0], vals, old, 0, 0, 1)
         put(a, pos, vals, 0, 0)
     for t in (np.uint8, np.uint16):
         small = np.zeros(0, t)

@@ -19,10 +19,11 @@ import numpy as np
 import torch
 import zstandard
 
-from weightsync.bucket import dtype_name, tensor_digest, tensor_hasher
+from weightsync.bucket import dtype_name, tensor_digest, tensor_header
 from weightsync.errors import PayloadError
 
 from . import kernels, positions
+from .hashing import Digest
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 IDX_SEP = "::"
@@ -70,7 +71,7 @@ def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor | None, *,
     if base is None or tuple(base.shape) != tuple(new.shape) or base.dtype != new.dtype:
         return Encoded({"kind": "full", "changed": numel}, [(name, new)], numel, tensor_digest(name, new))
     nb, bb = bits(new), bits(base)
-    hasher = tensor_hasher(name, new)
+    hasher = Digest(tensor_header(name, new))
     found = kernels.scan(nb, bb, -1 if force_full else int(density_threshold * numel), hasher)
     idx, vals, changed, digest = found.idx, found.vals, found.count, hasher.hexdigest()
     if idx is None or vals is None or numel == 0:

@@ -13,7 +13,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-CHUNK_BYTES = 1 << 20          # hashed per step, right after the kernel went over them
+from . import hashing
+
+CHUNK_BYTES = 1 << 20          # hashed per step through a Python hash object (the fallback)
+FED_BYTES = 8 << 10            # hashed per step by the compiled loops (hashing.Digest): in L1
 
 JIT = os.environ.get("WEIGHTSYNC_JIT", "1") != "0"
 _jit: Any = None
@@ -52,6 +55,11 @@ def _feed(hasher: Any, flat: np.ndarray, s: int, e: int) -> None:
     hasher.update(memoryview(flat[s:e]).cast("B"))
 
 
+def _fed(hasher: Any) -> int:
+    """The C hash state the compiled loops can feed (hashing.Digest), else 0."""
+    return getattr(hasher, "address", None) or 0
+
+
 class Scan(NamedTuple):
     count: int                          # elements that differ
     idx: torch.Tensor | None            # their int64 positions (None: more than the limit)
@@ -62,7 +70,8 @@ class Scan(NamedTuple):
 
 def scan(nb: torch.Tensor, bb: torch.Tensor, limit: int, hasher: Any = None) -> Scan:
     """Where the integer views `nb` (new) and `bb` (base) differ, with the new values, while at
-    most `limit` differ (-1: only count). `hasher` (an xxh3 object) is fed nb's bytes."""
+    most `limit` differ (-1: only count). `hasher` (a hashing.Digest, or any object with
+    `update`) is fed nb's bytes."""
     a, b = nb.numpy(), bb.numpy()
     k = jit()
     if k is None:
@@ -73,12 +82,16 @@ def scan(nb: torch.Tensor, bb: torch.Tensor, limit: int, hasher: Any = None) -> 
     cap = max(limit, 0) + lanes             # slack: the kernel writes a word's lanes unconditionally
     pos, vals = np.empty(cap, np.int64), np.empty(cap, a.dtype)
     st = np.zeros(1, np.int64)
-    step = wa.size if hasher is None else CHUNK_BYTES // 8
-    for s in range(0, wa.size, max(step, 1)):
-        e = min(s + step, wa.size)
-        k.scan(wa, wb, a.itemsize, s, e, pos, vals, st)
-        if hasher is not None:
-            _feed(hasher, a, s * lanes, e * lanes)
+    if _fed(hasher):
+        k.scan_fed(wa, wb, a.itemsize, pos, vals, st, hashing.update_address(), _fed(hasher),
+                   FED_BYTES // 8)
+    else:
+        step = wa.size if hasher is None else CHUNK_BYTES // 8
+        for s in range(0, wa.size, max(step, 1)):
+            e = min(s + step, wa.size)
+            k.scan(wa, wb, a.itemsize, s, e, pos, vals, st)
+            if hasher is not None:
+                _feed(hasher, a, s * lanes, e * lanes)
     k.scan_tail(a, b, body, pos, vals, st)
     if hasher is not None:
         _feed(hasher, a, body, a.size)
@@ -145,6 +158,9 @@ def swap(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, hasher: An
         return old
     r, i, v = region.numpy(), _plain(idx.numpy()), _plain(vals.numpy())
     old = np.empty_like(v)
+    if _fed(hasher):
+        k.swap_fed(r, i, v, old, hashing.update_address(), _fed(hasher), max(1, FED_BYTES // r.itemsize))
+        return torch.from_numpy(old)
     if hasher is None:
         k.swap(r, i, v, old, 0, i.size)
         return torch.from_numpy(old)

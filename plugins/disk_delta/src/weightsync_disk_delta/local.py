@@ -36,12 +36,13 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from weightsync.bucket import dtype_from_name, tensor_digest, tensor_hasher
+from weightsync.bucket import dtype_from_name, tensor_digest, tensor_header
 from weightsync.errors import PayloadError
 from weightsync.parallel import map_threads
 from weightsync.wire import unpack
 
 from . import kernels, positions
+from .hashing import Digest
 from .layout import atomic_write, fsync_dir, write_file
 
 _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -285,7 +286,7 @@ class LocalCheckpoint:
                 c = changes[n]
                 region = _region(bufs[info["file"]], info)
                 view = region.view(dtype_from_name(info["dtype"])).reshape(info["shape"])
-                h = tensor_hasher(n, view)
+                h = Digest(tensor_header(n, view))
                 if c.idx is None:
                     if undo is not None:
                         undo[n] = region.clone()
