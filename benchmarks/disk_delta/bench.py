@@ -263,9 +263,13 @@ def main() -> int:
         v += 1
         changed = changed_elements(prev, new)
         want = {n: digest_tensors([(n, t)]) for n, t in new.items()}
+        # every timing starts with no dirty pages: otherwise the kernel's writeback of what the
+        # last version changed on the host (30 s later) lands in some later row's timing
+        os.sync()
         near = baseline(new, work)                        # the full checkpoint, measured next to it
         used_xor = False
         for lane, sync, agent, root in lanes:
+            os.sync()
             t0 = time.perf_counter()
             report = sync.push(new, version=v)
             t_pub = time.perf_counter() - t0
