@@ -11,12 +11,14 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 # nogil: a bucket's tensors run on every core at once (weightsync.parallel.map_threads)
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 _U = np.uint64
+_AHEAD = 512                   # words (4 KiB) the compare prefetches ahead of itself
 
 
 @numba.njit(inline="always")
@@ -42,11 +44,19 @@ def _lanes(wa, wb, i, pos, vals, count, room, lanes, width, mask):  # type: igno
 def _words(wa, wb, s, e, pos, vals, st, lanes, width, mask):  # type: ignore[no-untyped-def]
     """The loop of `scan` for one element width, inlined with literal lanes/width/mask so the
     lane loop unrolls and the shifts are constants (1.5x). Words are compared 64 at a time into
-    a bit mask, a loop the compiler vectorizes; only the set bits are visited (1.35x more)."""
+    a bit mask, a loop the compiler vectorizes; only the set bits are visited (1.35x more).
+    Both versions are prefetched 4 KiB ahead: visiting the changes mispredicts branches, which
+    would otherwise stall the stream from memory (1.25x)."""
     count = st[0]
     room = pos.size - lanes
+    pa, pb = wa.ctypes.data, wb.ctypes.data
+    ahead = wa.size - _AHEAD - 64
     i = s
     while i + 64 <= e:
+        if i <= ahead:
+            for q in range(0, 64, 8):                    # one 64-byte line of each per step
+                _prefetch(pa + (i + _AHEAD + q) * 8)
+                _prefetch(pb + (i + _AHEAD + q) * 8)
         bits = _U(0)
         for k in range(64):
             bits |= _U(wa[i + k] != wb[i + k]) << _U(k)
@@ -59,6 +69,23 @@ def _words(wa, wb, s, e, pos, vals, st, lanes, width, mask):  # type: ignore[no-
         if wa[j] != wb[j]:
             count = _lanes(wa, wb, j, pos, vals, count, room, lanes, width, mask)
     st[0] = count
+
+
+@intrinsic
+def _prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
+    """llvm.prefetch (read, keep in all cache levels) of the byte at integer address `addr`; a
+    prefetch never faults."""
+    if not isinstance(addr, types.Integer):
+        return None
+    sig = types.void(addr)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return sig, codegen
 
 
 @intrinsic
@@ -190,13 +217,17 @@ def swap(region, idx, vals, old, k0, k1):  # type: ignore[no-untyped-def]
 @numba.njit(**_JIT)
 def swap_fed(region, idx, vals, old, fn, state, step):  # type: ignore[no-untyped-def]
     """`swap` of every change, feeding the region's bytes to the C hash state every `step`
-    elements, right after their changes were written."""
+    elements, right after their changes were written. The next step is prefetched meanwhile
+    (1.15x): the scattered writes would otherwise each wait for memory."""
     n = region.size
     size = region.itemsize
     base = region.ctypes.data
     k = 0
     for s in range(0, n, step):
         e = min(s + step, n)
+        if e + step <= n:
+            for q in range(0, step * size, 64):
+                _prefetch(base + e * size + q)
         while k < idx.size and idx[k] < e:
             p = idx[k]
             old[k] = region[p]
