@@ -107,6 +107,34 @@ def test_gap_in_the_chain_falls_back_to_the_newest_full(tmp_path: Path, trainer:
     assert any("installed full version 4" in e for e in events)
 
 
+def test_a_version_of_only_whole_tensors_is_a_full_one_and_installed_fresh(tmp_path: Path) -> None:
+    """Dense changes ship every tensor whole: that version is published as a full one, and the
+    host makes a fresh copy and swaps it in instead of journalling the whole model in place."""
+    import torch
+    root = tmp_path / "root"
+    g = torch.Generator().manual_seed(0)
+    states = {v: {f"w{i}": torch.randn(64, 96, generator=g).to(torch.bfloat16) for i in range(3)}
+              for v in range(1, 4)}
+    states[3]["w1"] = states[2]["w1"].clone()           # version 3 leaves one tensor as it was
+    events: list[str] = []
+    agent = Agent(root, tmp_path / "local", on_event=events.append)
+    with WeightSync.from_config(publish_config(root)) as sync:
+        sync.push(states[1], version=1)
+        assert agent.sync_local() == 1
+        first_dir = agent.local.data_dir()
+        sync.push(states[2], version=2)
+        m = read_manifest(root, 2)
+        assert m["kind"] == "full" and {t["kind"] for t in m["tensors"].values()} == {"full"}
+        assert agent.sync_local() == 2
+        assert any("installed full version 2" in e for e in events)
+        assert agent.local.data_dir() != first_dir and first_dir is not None and not first_dir.exists()
+        assert bit_equal(agent.local.tensors(), states[2]) == []
+        sync.push(states[3], version=3)                  # not all whole: applied in place
+        assert agent.sync_local() == 3
+        assert any("applied delta version 3" in e for e in events)
+        assert bit_equal(agent.local.tensors(), states[3]) == [] and agent.local.verify() == []
+
+
 def _sparse_array(root: Path, version: int, part: str) -> tuple[Path, int]:
     """(shard path, absolute offset) of the `part` ("pos" or "val") array of the first tensor
     the version ships as a sparse delta with changes."""
