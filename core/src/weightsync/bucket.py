@@ -60,8 +60,23 @@ def tensor_hasher(name: str, t: torch.Tensor) -> xxhash.xxh3_128:
     return xxhash.xxh3_128(tensor_header(name, t))
 
 
-def tensor_digest(name: str, t: torch.Tensor) -> str:
-    """xxh3-128 over one tensor's name, dtype, shape and bytes."""
+DIGEST_ALGOS = ("xxh3", "mlh")
+
+
+def digest_algo(digest: str) -> str:
+    """Which algorithm made `digest`: `mlh:`-prefixed digests are mlh, bare hex is xxh3."""
+    from .mlh import PREFIX
+    return "mlh" if digest.startswith(PREFIX) else "xxh3"
+
+
+def tensor_digest(name: str, t: torch.Tensor, algo: str = "xxh3") -> str:
+    """xxh3-128 over one tensor's name, dtype, shape and bytes; with `algo="mlh"` the device-side
+    digest of `weightsync.mlh` (no host copy of a CUDA tensor)."""
+    if algo == "mlh":
+        from .mlh import mlh_digest
+        return mlh_digest(tensor_header(name, t), t)
+    if algo != "xxh3":
+        raise ValueError(f"unknown digest algorithm {algo!r}; known: {list(DIGEST_ALGOS)}")
     h = tensor_hasher(name, t)
     h.update(tensor_bytes(t))
     return h.hexdigest()
@@ -71,13 +86,21 @@ def combine_digests(digests: Sequence[str]) -> str:
     """A group's digest from its tensors' digests, in order (one tensor: its own digest)."""
     if len(digests) == 1:
         return digests[0]
-    return xxhash.xxh3_128("".join(digests).encode()).hexdigest()
+    joined = xxhash.xxh3_128("".join(digests).encode()).hexdigest()
+    return joined if digest_algo(digests[0]) == "xxh3" else digests[0][:4] + joined
 
 
-def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], algo: str | None = None) -> str:
     """Equal digests mean bit-equal tensors (names, dtypes, shapes, bytes). Defined over the
     per-tensor digests so the tensors hash in parallel, and so a sender that already has each
-    tensor's digest gets the group's for free."""
+    tensor's digest gets the group's for free. `algo` None: mlh when the tensors are on a GPU
+    (hashed there), else xxh3; a receiver passes the algorithm of the digest it checks."""
+    named = list(named)
+    if algo is None:
+        algo = "mlh" if any(t.device.type != "cpu" for _, t in named) else "xxh3"
+    if algo == "mlh":       # GPU kernels queue on one stream: one call, one host sync
+        from .mlh import mlh_digests
+        return combine_digests(mlh_digests([(tensor_header(n, t), t) for n, t in named]))
     return combine_digests(map_threads(lambda nt: tensor_digest(*nt), named))
 
 

@@ -27,7 +27,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .server import serve
-    serve(args.model, args.host, args.port, args.api_key, args.name)
+    serve(args.model, args.host, args.port, args.api_key, args.name, args.device)
     return 0
 
 
@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.add_argument("--port", type=int, default=8100)
     sp.add_argument("--api-key", default=None)
     sp.add_argument("--name", default=None)
+    sp.add_argument("--device", default="cpu", help="where the weights live: cpu, cuda, cuda:N")
     sp.set_defaults(fn=_serve)
     sp = sub.add_parser("check", help="validate a sync config against the installed plugins")
     sp.add_argument("config")
@@ -89,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.add_argument("--png", default=None, help="write a bar chart here (default: next to --json)")
     sp.add_argument("--repeat", type=int, default=1, help="timed runs per row after one warm-up")
     sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="rows to run: cpu, cuda (GPU rows only), auto (cpu, plus GPU rows when "
+                         "CUDA is available)")
     sp.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -168,6 +168,9 @@ class Transport(Component):
     alloc: Alloc | None = None
     """Set by transports that want payloads written into their own buffers (shared memory)."""
 
+    def discard(self, payload: Payload) -> None:
+        """`payload` will not be sent (its sync is being abandoned): release its buffer."""
+
     def close(self) -> None:
         """Release everything the transport holds (groups, segments); called at shutdown."""
 

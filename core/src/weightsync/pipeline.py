@@ -304,10 +304,12 @@ class WeightSync:
                     changed += int(payload.meta["changed_elements"])
                     elements += sum(s.numel for s in payload.specs)
                     report.density = changed / max(1, elements)
-                if active or publish:
-                    with timed("send"):
-                        fails = self.transport.send(payload, active)
-                    active = self._drop(report, active, fails, "send", begun=True)
+                if not (active or publish):
+                    self.transport.discard(payload)      # every engine failed: stop exporting
+                    break
+                with timed("send"):
+                    fails = self.transport.send(payload, active)
+                active = self._drop(report, active, fails, "send", begun=True)
                 progress.advance(payload.logical_bytes)
                 del payload, item
                 slots.release()
@@ -316,6 +318,14 @@ class WeightSync:
         finally:
             stop.set()
             slots.release()
+            while worker.is_alive() or not q.empty():   # payloads never sent give their buffers back
+                try:
+                    left = q.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if isinstance(left, Payload):
+                    self.transport.discard(left)
+                slots.release()
             worker.join()
             progress.close()
         return active

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from .bucket import digest_tensors, dtype_name
+from .bucket import digest_algo, digest_tensors, dtype_name
 from .config import ComponentRef, build_options
 from .errors import PayloadError
 from .interfaces import Encoding, Payload, TransportReceiver
@@ -211,7 +211,7 @@ class ReceiveSession:
                 self.busy += 1
             try:      # stage (one copy), then digest what was staged: that is what commit loads
                 staged = [(n, self._stage(n, t)) for n, t in named]
-                got = digest_tensors(staged)
+                got = digest_tensors(staged, digest_algo(payload.digest))
             finally:
                 with self.lock:
                     self.busy -= 1

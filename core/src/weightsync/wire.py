@@ -121,7 +121,8 @@ def unpack(buf: torch.Tensor | bytes | memoryview | bytearray) -> tuple[list[tup
         view = data[start:end]
         if numel and (view.data_ptr() % itemsize):
             view = view.clone()
-        out.append((name, view.view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)))
+        out.append((name, view.view(dtype).reshape(shape) if numel
+                    else torch.empty(shape, dtype=dtype, device=buf.device)))
     return out, meta
 
 

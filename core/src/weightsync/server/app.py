@@ -215,12 +215,12 @@ def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0,
 
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: str | None = None,
-          name: str | None = None) -> None:
+          name: str | None = None, device: str = "cpu") -> None:
     from ..plugins import load_components
     from .model import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = ReferenceEngine(load_model(model_dir), load_components(), name or f"{host}:{port}")
+    engine = ReferenceEngine(load_model(model_dir, device), load_components(), name or f"{host}:{port}")
     server = make_server(engine, host, port, api_key)
     real_port = server.server_address[1]
     engine.name = name or f"{host}:{real_port}"

@@ -139,5 +139,5 @@ class ReferenceEngine:
                 t = self.model.store.get(n)
                 if t is None:
                     raise PayloadError(f"tensor {n!r} is not in the engine's model")
-                out[n] = t.detach().clone().contiguous()
+                out[n] = t.detach().to("cpu", copy=True).contiguous()
         return out

@@ -21,11 +21,13 @@ class LoadedModel:
     @torch.no_grad()
     def next_token(self, ids: list[int]) -> int:
         assert self.module is not None
-        logits = self.module(torch.tensor([ids])).logits
+        device = next(self.module.parameters()).device
+        logits = self.module(torch.tensor([ids], device=device)).logits
         return int(logits[0, -1].argmax())
 
 
-def load_model(path: str | Path) -> LoadedModel:
+def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
+    """The model in `path`, its weights on `device` ("cpu", "cuda", "cuda:1")."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -36,12 +38,12 @@ def load_model(path: str | Path) -> LoadedModel:
         except ImportError:
             raise SystemExit("this model directory needs transformers to run; "
                              "pip install 'weightsync-core[serve]'") from None
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device)
         model.eval()
         return LoadedModel(ModuleStore(model), model, type(model).__name__)
     if not files:
         raise FileNotFoundError(f"{path} has neither config.json nor *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(f))
+        tensors.update(load_file(f, device=str(device)))
     return LoadedModel(DictStore(tensors), None, "weights-only")

@@ -27,13 +27,15 @@ class EngineProcess:
     """`weightsync serve` in a child process; start, kill -9, restart on the same port."""
 
     def __init__(self, model_dir: str | Path, *, port: int | None = None, api_key: str | None = None,
-                 name: str | None = None, log: Path | None = None, env: dict[str, str] | None = None) -> None:
+                 name: str | None = None, log: Path | None = None, env: dict[str, str] | None = None,
+                 device: str = "cpu") -> None:
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.api_key = api_key
         self.name = name or f"127.0.0.1:{self.port}"
         self.log = log
         self.env = env
+        self.device = device
         self.proc: subprocess.Popen | None = None
         self._log_fh: IO | None = None
 
@@ -49,7 +51,7 @@ class EngineProcess:
 
     def start(self, timeout: float = 60.0) -> "EngineProcess":
         cmd = [sys.executable, "-m", "weightsync", "serve", "--model", self.model_dir,
-               "--port", str(self.port), "--name", self.name]
+               "--port", str(self.port), "--name", self.name, "--device", self.device]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         out = subprocess.DEVNULL

@@ -457,6 +457,9 @@ class CollectiveTransport(Transport):
                 dead[a.engine_name] = e
         return dead
 
+    def discard(self, payload: Payload) -> None:
+        self._release(payload.body)
+
     def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
         try:
             return self._send(payload, engines)

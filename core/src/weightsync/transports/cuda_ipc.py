@@ -74,4 +74,9 @@ def export_buffer(t: torch.Tensor) -> dict[str, Any]:
 def open_buffer(d: Mapping[str, Any]) -> torch.Tensor:
     """The sender's buffer, mapped into this process (same host, same GPU)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
-    return rebuild_cuda_tensor(*rebuild_args(d))
+    t = rebuild_cuda_tensor(*rebuild_args(d))
+    if t.numel() != d["numel"] or t.untyped_storage().nbytes() < d["tensor_offset"] + d["numel"]:
+        raise PayloadError(f"CUDA IPC handle opened as {t.untyped_storage().nbytes()} bytes, but the "
+                           f"sender announced {d['tensor_offset']}+{d['numel']}; a stale mapping "
+                           f"of this handle is still alive in this process")
+    return t

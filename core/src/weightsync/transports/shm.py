@@ -162,13 +162,22 @@ def _open_cpu(name: str) -> torch.Tensor:
 
 
 def _open_cuda(handle: Mapping[str, Any]) -> torch.Tensor:
+    """The sender's CUDA buffer. A sender's caching allocator hands out new buffers inside the
+    same device allocation (same IPC handle, other offset or size) when it grows a segment, so a
+    mapping is cached under the whole geometry, and a stale mapping of the same handle is dropped
+    before the new one is opened (torch's own cache would otherwise return the old storage)."""
     from .cuda_ipc import open_buffer
-    key = f"cuda:{handle.get('handle')}:{handle.get('tensor_offset')}"
+    geometry = tuple(handle.get(k) for k in ("handle", "storage_offset", "storage_bytes",
+                                              "tensor_offset", "numel"))
+    key = "cuda:" + ":".join(map(str, geometry))
     with _MAPS_LOCK:
         hit = _MAPS.get(key)
         if hit is not None:
             _MAPS.move_to_end(key)
             return hit[1]
+        stale = f"cuda:{geometry[0]}:{geometry[1]}:"
+        for k in [k for k in _MAPS if k.startswith(stale)]:
+            del _MAPS[k]
     t = open_buffer(handle)
     with _MAPS_LOCK:
         _MAPS[key] = (None, t)
@@ -313,6 +322,11 @@ class ShmTransport(Transport):
         threading.Thread(target=self._release_when_read, args=(seg, threads), daemon=True,
                          name="ws-shm-release").start()
         return failed
+
+    def discard(self, payload: Payload) -> None:
+        seg = self._segment_of(payload.body)
+        if seg is not None and not any(t.is_alive() for t in seg.readers.values()):
+            seg.free.set()
 
     def _wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from weightsync.bucket import digest_tensors, dtype_from_name
+from weightsync.bucket import digest_algo, digest_tensors, dtype_from_name
 from weightsync.errors import PayloadError
 from weightsync.interfaces import Encoding, Payload, TransportReceiver
 from weightsync.receiver import (build_encoding, build_receiver, check_digest, check_tensor,
@@ -108,7 +108,7 @@ class Round:
         try:
             payload = Payload.from_header(header, buf)
             named = decode_checked(self.encoding, payload, self.index.current, self.index.check)
-            got = digest_tensors(named)
+            got = digest_tensors(named, digest_algo(payload.digest))
             check_digest(payload, got)
             for n, t in named:
                 self.staged[n] = t.clone()
