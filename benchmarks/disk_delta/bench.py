@@ -6,7 +6,7 @@ with real AdamW steps on a regression loss; then synthetic versions change exact
 fraction of elements by 1-4 bf16 ulps (the size of real optimizer updates).
 
   python benchmarks/disk_delta/bench.py                 # 256 MiB, the quick default
-  python benchmarks/disk_delta/bench.py --size 1GiB     # the issue's size
+  python benchmarks/disk_delta/bench.py --size 1GiB     # the committed results' size
 
 Per version it reports:
   wire bytes       bytes published (every shard, safetensors headers included; manifest not)
@@ -194,7 +194,7 @@ def table(result: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="256MiB", help="bf16 model size (the issue asks for 1GiB)")
+    p.add_argument("--size", default="256MiB", help="bf16 model size (the committed results use 1GiB)")
     p.add_argument("--dim", type=int, default=4096, help="layer width (a layer is dim x dim)")
     p.add_argument("--steps", type=int, default=1, help="real AdamW steps to publish")
     p.add_argument("--lr", type=float, default=1.5e-6, help="AdamW learning rate (RL-like)")

@@ -81,3 +81,17 @@ def test_a_forked_child_sees_a_whole_kept_version() -> None:
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_receiver_at_another_version_refuses_the_delta() -> None:
+    """The refusal the wrong-base push relies on, at the receiver: a delta made against version
+    1 is not applied to an engine at version 0, and says why."""
+    import pytest
+    from weightsync.errors import PayloadError
+    v1 = {"w": torch.randn(64, 64).to(torch.bfloat16)}
+    enc = DeltaEncoding()
+    _sync(enc, v1, 1)
+    p2 = _sync(enc, _step(v1, 2), 2)
+    specs = [(s.name, s.dtype, list(s.shape)) for s in p2.specs]
+    with pytest.raises(PayloadError, match="made against version 1, but the engine holds version 0"):
+        decode_payload(p2.meta, p2.body, specs, lambda n: v1[n], 0)

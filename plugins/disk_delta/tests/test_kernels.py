@@ -10,6 +10,7 @@ import torch
 import xxhash
 
 from weightsync.bucket import tensor_digest, tensor_hasher, tensor_header
+from weightsync.errors import PayloadError
 from weightsync_disk_delta import hashing, kernels, positions
 from weightsync_disk_delta.codec import bits, encode_tensor
 
@@ -18,7 +19,7 @@ from weightsync_disk_delta.codec import bits, encode_tensor
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "numba":
         monkeypatch.setattr(kernels, "JIT", True)
-        assert kernels.jit() is not None, "numba is a dependency of weightsync-disk-delta"
+        assert kernels.jit() is not None, "numba comes with weightsync-disk-delta[fast]"
     else:
         monkeypatch.setattr(kernels, "JIT", False)
         assert kernels.jit() is None
@@ -78,13 +79,47 @@ def test_gaps_round_trip_and_bad_escapes_are_refused(backend: str, density: floa
     assert torch.equal(out, idx)
     for top, t in ((255, np.uint8), (65535, np.uint16)):
         small, far = kernels.gaps(idx.numpy(), top, t, np.int32, int((np.diff(idx.numpy(), prepend=-1) > top).sum()))
-        assert np.array_equal(kernels.ungap(small, far), idx.numpy())
+        assert np.array_equal(kernels.ungap(small, far, numel), idx.numpy())
         if far.size:
-            assert kernels.ungap(small, far[:-1]) is None        # an escape without its gap
+            assert kernels.ungap(small, far[:-1], numel) is None        # an escape without its gap
             bad = far.copy()
             bad[0] = 0
-            assert kernels.ungap(small, bad) is None             # a far gap below 1
-        assert kernels.ungap(small, np.append(far, 300).astype(np.int32)) is None   # one too many
+            assert kernels.ungap(small, bad, numel) is None             # a far gap below 1
+        assert kernels.ungap(small, np.append(far, 300).astype(np.int32), numel) is None   # one too many
+        assert kernels.ungap(small, far, int(idx[-1])) is None          # the last one past the end
+
+
+def test_positions_past_the_end_are_refused_without_overflow(backend: str) -> None:
+    """Escapes that would carry the running position past 2**63 (and wrap it back into range)
+    are refused: every escape must be at most the tensor's size, every position inside it."""
+    huge = np.array([2**62, 2**62, 2**62, 2**62], np.int64)       # sums to 2**64: wraps to -1 + 0
+    small = np.zeros(4, np.uint8)
+    assert kernels.ungap(small, huge, 32) is None
+    assert kernels.ungap(np.array([1, 1, 40], np.uint8), np.zeros(0, np.int64), 32) is None
+    parts = {"gap8": torch.from_numpy(small), "far": torch.from_numpy(huge)}
+    with pytest.raises(PayloadError, match="run past|escapes"):
+        positions.decode("w", "gap8", parts, 4, 32)
+    with pytest.raises(PayloadError, match="malformed gap8"):         # not uint8: no numpy crash
+        positions.decode("w", "gap8", {"gap8": torch.zeros(4, dtype=torch.bfloat16),
+                                       "far": torch.zeros(0, dtype=torch.int32)}, 4, 32)
+    with pytest.raises(PayloadError, match="changed positions in a tensor of 32"):
+        positions.decode("w", "idx", {"idx": torch.arange(33)}, 33, 32)
+
+
+@pytest.mark.parametrize("hashed", ["native", "python", "none"])
+def test_kernels_refuse_positions_outside_the_tensor_before_writing(backend: str, hashed: str) -> None:
+    """The issue's neighbour write (Python hash path) and silent drop (native path): positions
+    past a tensor's end are an error, and nothing of the region was written."""
+    region = torch.zeros(32, dtype=torch.int16)
+    idx = torch.tensor([3, 31, 40], dtype=torch.int64)
+    vals = torch.tensor([7, 8, 9], dtype=torch.int16)
+    h = {"native": hashing.Digest(b"w"), "python": hashing.Digest(b"w", native=False),
+         "none": None}[hashed]
+    with pytest.raises(ValueError, match="run outside a tensor of 32"):
+        kernels.swap(region, idx, vals, h)
+    with pytest.raises(ValueError, match="run outside"):
+        kernels.put(region, torch.tensor([-1, 3]), vals[:2])
+    assert not region.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -17,7 +17,7 @@ from weightsync.errors import PayloadError, TransportError
 from weightsync_disk_delta import testing
 from weightsync_disk_delta.agent import Agent
 from weightsync_disk_delta.layout import list_versions, read_latest, read_manifest
-from weightsync_disk_delta.testing import Trainer, bit_equal, publish_config
+from weightsync_disk_delta.testing import Trainer, bit_equal, publish_config, raw_manifest
 
 
 def _publish(tr: Trainer, sync: WeightSync, versions: range, states: dict) -> None:
@@ -25,7 +25,7 @@ def _publish(tr: Trainer, sync: WeightSync, versions: range, states: dict) -> No
         tr.step()
         states[v] = tr.state()
         r = sync.push(states[v], version=v)
-        assert r.verified and r.version == v
+        assert r.ok and r.version == v
 
 
 def test_layout_manifest_and_latest(tmp_path: Path, trainer: Trainer) -> None:
@@ -43,7 +43,8 @@ def test_layout_manifest_and_latest(tmp_path: Path, trainer: Trainer) -> None:
     assert not [p for p in (root / "versions").iterdir() if p.name.startswith(".")]   # no temp names
     kinds = {}
     for v in range(1, 5):
-        m = read_manifest(root, v)
+        assert read_manifest(root, v).version == v          # valid against the schema
+        m = raw_manifest(root, v)
         kinds[v] = m["kind"]
         assert m["encoding"] == "delta" and m["version"] == v
         assert m["base_version"] == (None if v == 1 else v - 1)
@@ -53,8 +54,8 @@ def test_layout_manifest_and_latest(tmp_path: Path, trainer: Trainer) -> None:
             assert t["digest"] == digest_tensors([(name, ref)])
             assert t["dtype"] == "bfloat16" and t["shape"] == list(ref.shape)
     assert kinds == {1: "full", 2: "delta", 3: "delta", 4: "delta"}
-    full = read_manifest(root, 1)["wire_bytes"]
-    assert all(read_manifest(root, v)["wire_bytes"] < full / 3 for v in (2, 3, 4))
+    full = raw_manifest(root, 1)["wire_bytes"]
+    assert all(raw_manifest(root, v)["wire_bytes"] < full / 3 for v in (2, 3, 4))
     assert str(root / "latest") in testing.HOOK_CALLS and str(root / "versions" / "v00000004") in testing.HOOK_CALLS
 
 
@@ -65,7 +66,7 @@ def test_full_every_and_retention(tmp_path: Path, trainer: Trainer) -> None:
         _publish(trainer, sync, range(1, 9), states)
     # full versions 1, 4, 7; keep_full=1 keeps the newest full one and its chain only
     assert list_versions(root) == [7, 8]
-    assert read_manifest(root, 7)["kind"] == "full" and read_manifest(root, 8)["kind"] == "delta"
+    assert raw_manifest(root, 7)["kind"] == "full" and raw_manifest(root, 8)["kind"] == "delta"
     agent = Agent(root, tmp_path / "late")          # a late joiner: newest full + its chain
     assert agent.sync_local() == 8
     assert bit_equal(agent.local.tensors(), states[8]) == []
@@ -77,7 +78,7 @@ def test_full_when_the_chain_outweighs_one(tmp_path: Path, trainer: Trainer) -> 
     cfg["transport"]["options"]["keep_full"] = 10
     with WeightSync.from_config(cfg) as sync:
         _publish(trainer, sync, range(1, 6), {})
-    assert [read_manifest(root, v)["kind"] for v in range(1, 6)] == ["full", "delta", "full", "delta", "full"]
+    assert [raw_manifest(root, v)["kind"] for v in range(1, 6)] == ["full", "delta", "full", "delta", "full"]
 
 
 def test_a_delta_into_a_root_without_a_full_version_is_refused(tmp_path: Path, trainer: Trainer) -> None:
@@ -123,7 +124,7 @@ def test_a_version_of_only_whole_tensors_is_a_full_one_and_installed_fresh(tmp_p
         assert agent.sync_local() == 1
         first_dir = agent.local.data_dir()
         sync.push(states[2], version=2)
-        m = read_manifest(root, 2)
+        m = raw_manifest(root, 2)
         assert m["kind"] == "full" and {t["kind"] for t in m["tensors"].values()} == {"full"}
         assert agent.sync_local() == 2
         assert any("installed full version 2" in e for e in events)
@@ -139,7 +140,7 @@ def _sparse_array(root: Path, version: int, part: str) -> tuple[Path, int]:
     """(shard path, absolute offset) of the `part` ("pos" or "val") array of the first tensor
     the version ships as a sparse delta with changes."""
     from weightsync_disk_delta.local import tensor_offsets
-    m = read_manifest(root, version)
+    m = raw_manifest(root, version)
     name, t = next((n, t) for n, t in m["tensors"].items() if t["kind"] == "sparse" and t["changed"] > 8)
     shard = root / "versions" / f"v{version:08d}" / t["shard"]
     suffix = t["pos"] if part == "pos" else part
@@ -167,7 +168,7 @@ def test_flipped_byte_is_detected_and_never_applied(tmp_path: Path, trainer: Tra
     shard.write_bytes(bytes(data))
     if where != "shard":                               # corrupted before it was hashed
         from weightsync_disk_delta.layout import file_digest
-        m = read_manifest(root, 2)
+        m = raw_manifest(root, 2)
         for s in m["shards"]:
             if s["file"] == shard.name:
                 s["xxh3"] = file_digest(bytes(data))
@@ -183,7 +184,7 @@ def test_flipped_byte_is_detected_and_never_applied(tmp_path: Path, trainer: Tra
     assert str(root / "latest") in testing.HOOK_CALLS
     shard.write_bytes(good)                            # the publisher's bytes come back
     if where != "shard":
-        m = read_manifest(root, 2)
+        m = raw_manifest(root, 2)
         from weightsync_disk_delta.layout import file_digest
         for s in m["shards"]:
             if s["file"] == shard.name:
@@ -204,7 +205,7 @@ def test_local_bytes_that_are_not_the_base_are_caught_and_replaced(tmp_path: Pat
         _publish(trainer, sync, range(1, 2), states)
         assert agent.sync_local() == 1
         _publish(trainer, sync, range(2, 3), states)
-    m = read_manifest(root, 2)
+    m = raw_manifest(root, 2)
     name = next(n for n, t in m["tensors"].items() if t["kind"] == "sparse" and t["changed"])
     info = agent.local.state()["tensors"][name]
     data_file = agent.local.data_dir() / info["file"]
@@ -223,7 +224,7 @@ def test_local_bytes_that_are_not_the_base_are_caught_and_replaced(tmp_path: Pat
 def _changed_positions(root: Path, version: int, name: str) -> list[int]:
     from weightsync.wire import unpack
     from weightsync_disk_delta.codec import sparse_parts
-    m = read_manifest(root, version)
+    m = raw_manifest(root, version)
     t = m["tensors"][name]
     shard = root / "versions" / f"v{version:08d}" / t["shard"]
     arrays = dict(unpack(bytearray(shard.read_bytes()))[0])
@@ -265,8 +266,8 @@ def test_unwritable_root_gives_a_clear_error_and_keeps_latest(tmp_path: Path, tr
             assert agent.sync_local() == 1 and bit_equal(agent.local.tensors(), states[1]) == []
             _remount(fs, "rw")                          # the encoding rolled back: v2 is a delta on 1
             states[2] = trainer.state()
-            assert sync.push(states[2], version=2).verified
-            assert read_manifest(root, 2)["kind"] == "delta"
+            assert sync.push(states[2], version=2).ok
+            assert raw_manifest(root, 2)["kind"] == "delta"
             assert agent.sync_local() == 2 and bit_equal(agent.local.tensors(), states[2]) == []
 
 
@@ -288,5 +289,5 @@ def test_full_disk_gives_a_clear_error_and_keeps_latest(tmp_path: Path, trainer:
             assert agent.sync_local() == 1 and bit_equal(agent.local.tensors(), states[1]) == []
             _remount(fs, "size=4m")
             states[2] = trainer.state()
-            assert sync.push(states[2], version=2).verified
+            assert sync.push(states[2], version=2).ok
             assert agent.sync_local() == 2 and bit_equal(agent.local.tensors(), states[2]) == []

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import trailing_zeros
+from weightsync._jit import _hash, _prefetch  # shared with core's copy + digest loop
 
 # nogil: a bucket's tensors run on every core at once (weightsync.parallel.map_threads)
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
@@ -69,41 +66,6 @@ def _words(wa, wb, s, e, pos, vals, st, lanes, width, mask):  # type: ignore[no-
         if wa[j] != wb[j]:
             count = _lanes(wa, wb, j, pos, vals, count, room, lanes, width, mask)
     st[0] = count
-
-
-@intrinsic
-def _prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
-    """llvm.prefetch (read, keep in all cache levels) of the byte at integer address `addr`; a
-    prefetch never faults."""
-    if not isinstance(addr, types.Integer):
-        return None
-    sig = types.void(addr)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def _hash(typingctx, fn, state, ptr, n):  # type: ignore[no-untyped-def]
-    """Call the C function at address `fn` as XXH3_128bits_update(state, ptr, n); all four are
-    integers, so the compiled code holds no address and stays cacheable."""
-    if not all(isinstance(t, types.Integer) for t in (fn, state, ptr, n)):
-        return None
-    sig = types.void(fn, state, ptr, n)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        f, st, p, k = args
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.IntType(32), [i8p, i8p, ir.IntType(64)])
-        builder.call(builder.inttoptr(f, fnty.as_pointer()),
-                     [builder.inttoptr(st, i8p), builder.inttoptr(p, i8p), k])
-        return context.get_dummy_value()
-    return sig, codegen
 
 
 @numba.njit(**_JIT)
@@ -187,20 +149,23 @@ def gaps(pos, top, small, far):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_JIT)
-def ungap(small, far, out):  # type: ignore[no-untyped-def]
+def ungap(small, far, out, numel):  # type: ignore[no-untyped-def]
     """The inverse of gaps, checked: False when the zeros in `small` and the entries of `far`
-    do not pair up one to one, or a far gap is below 1."""
+    do not pair up one to one, a far gap is below 1 or above `numel`, or a position reaches
+    `numel` (so the running position never overflows and never leaves the tensor)."""
     f = 0
     p = -1
     for k in range(small.size):
         g = small[k]
         if g == 0:
-            if f >= far.size or far[f] < 1:
+            if f >= far.size or far[f] < 1 or far[f] > numel:
                 return False
             p += far[f]
             f += 1
         else:
             p += g
+        if p >= numel:
+            return False
         out[k] = p
     return f == far.size
 
@@ -259,4 +224,4 @@ def warm() -> None:
     for t in (np.uint8, np.uint16):
         small = np.zeros(0, t)
         gaps(np.zeros(0, np.int64), 255, small, np.zeros(0, np.int32))
-        ungap(small, np.zeros(0, np.int32), np.zeros(0, np.int64))
+        ungap(small, np.zeros(0, np.int32), np.zeros(0, np.int64), 0)

@@ -1,56 +1,59 @@
-"""The pull agent of a rollout host: follow `latest`, bring the host-local checkpoint to it (every
-delta after its own version; each shard's digest checked before anything is written, each changed
-tensor's digest checked on the written bytes before the version becomes current), then have the
-engine reload from that checkpoint through its adapter.
+"""The pull agent of a rollout host: follow `latest`, bring the host-local checkpoint to it, then
+have the engine reload from that checkpoint through its adapter.
 
-A gap in the chain, a missing or corrupt file: fall back to the newest full version and its chain.
-A late joiner starts the same way. Several agents on one host share one local checkpoint: the
-exclusive lock makes one apply while the others wait and then find it already current."""
+Nothing read from the shared root is trusted: the whole way to `latest` (plan.py) is checked
+before the local checkpoint is touched, shards are read only as regular files under the root and
+of the size the manifest says, and their arrays are checked against the local tensors before a
+journal is written. The checkpoint only ever moves forward, from one whole version to a newer
+whole version; a failure leaves it where it was (or at the last whole version the chain reached),
+and in loop mode the agent reports it, backs off and tries again.
+
+Several agents on one host share one local checkpoint: the exclusive lock makes one apply while
+the others wait and then find it already current."""
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from weightsync.bucket import tensor_digest
 from weightsync.errors import PayloadError, WeightSyncError
 from weightsync.interfaces import Adapter
-from weightsync.parallel import map_threads
-from weightsync.wire import unpack
 
-from . import kernels, positions
-from .codec import IDX_SEP, apply_entry, entry_changes
-from .layout import Hook, list_versions, read_latest, read_manifest, read_shard
-from .local import Change, LocalCheckpoint
+from . import kernels, shards
+from .layout import Hook, read_latest
+from .local import Build, LocalCheckpoint, Undone
+from .plan import ChainBroken, LocalAhead, Plan, Planner, PlanError
+from .prepare import delta_changes, full_digests
+from .schema import Manifest
+
+__all__ = ["Agent", "ChainBroken", "LocalAhead", "PlanError"]
 
 log = logging.getLogger("weightsync.disk_delta.agent")
 
-
-class ChainBroken(WeightSyncError):
-    """The versions between the local one and `latest` cannot be applied one by one."""
+ADVICE = ("the agent tries again after backing off; if this persists, have the trainer publish "
+          "a newer version (a full one if the chain is damaged)")
 
 
 class Agent:
     def __init__(self, root: str | Path, local: str | Path, adapter: Adapter | None = None, *,
                  before_read: Hook | None = None, fsync: bool = False,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None, max_backoff: float = 60.0,
+                 hmac_key: bytes | None = None) -> None:
         self.root = Path(root)
+        self.hmac_key = hmac_key                 # manifests must be signed with it
         self.local = LocalCheckpoint(local, fsync=fsync)
         self.adapter = adapter
         self.before_read = before_read
+        self.max_backoff = max_backoff
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         kernels.warm()             # compiled (or loaded from numba's cache) before the first delta
 
     # -- the local checkpoint ---------------------------------------------------------------
     def sync_local(self, target: int | None = None) -> int | None:
         """Bring the local checkpoint to `latest` (or to `target` when lower); returns its
-        version (None: nothing published yet)."""
+        version (None: nothing published yet). Never moves it to an older version."""
         latest = read_latest(self.root, self.before_read)
         if latest is not None and target is not None:
             latest = min(latest, target)
@@ -58,109 +61,89 @@ class Agent:
             cur = self.local.version
             if latest is None or cur == latest:
                 return cur
+            if cur is not None and cur > latest:
+                if target is not None and latest == target:
+                    return cur                      # asked for less than it holds: done
+                raise LocalAhead(
+                    f"the local checkpoint {self.local.path} holds version {cur}, newer than "
+                    f"version {latest} that {self.root / 'latest'} points at; a host is never moved "
+                    f"back, so nothing was changed. If the trainer really started over, remove "
+                    f"{self.local.path} (or publish a version above {cur})")
             self.on_event(f"local {cur} -> latest {latest}")
+            planner = Planner(self.root, self.before_read, self.hmac_key)
             try:
-                if cur is None or cur > latest:
-                    raise ChainBroken(f"local version {cur} cannot reach {latest} by deltas")
-                self._apply_chain(cur, latest)
-            except (ChainBroken, PayloadError, OSError) as e:
-                self.on_event(f"falling back to the newest full version: {e}")
-                full = self._install_newest_full(latest)
-                if full < latest:
-                    self._apply_chain(full, latest)
+                plan = planner.plan(self.local.state(), latest, self.on_event)
+            except PayloadError as e:
+                raise PlanError(f"{e}; the local checkpoint stays at "
+                                f"{self._where(cur)}; {ADVICE}") from None
+            try:
+                self._run(plan)
+            except Undone as e:
+                if cur is None or self.local.version is not None:
+                    raise Undone(f"{e}; {ADVICE}") from None
+                self.on_event(f"falling back to the newest full version: {e}")   # discarded
+                self._rebuild(planner, latest)
+            except PayloadError as e:
+                raise type(e)(f"{e}; the local checkpoint is at {self._where(self.local.version)}; "
+                              f"{ADVICE}") from None
+            except OSError as e:     # the host's own disk (full, read-only): nothing half-made stays
+                raise WeightSyncError(f"writing the local checkpoint {self.local.path} failed: {e}; "
+                                      f"it is at {self._where(self.local.version)}; free space "
+                                      f"there or point --local elsewhere") from None
             return self.local.version
 
-    def _apply_chain(self, cur: int, latest: int) -> None:
-        manifests = []
-        for v in range(cur + 1, latest + 1):
-            m = read_manifest(self.root, v, self.before_read)
-            if m["kind"] == "delta" and m["base_version"] != v - 1:
-                raise ChainBroken(f"version {v} is a delta against {m['base_version']}, not {v - 1}")
-            manifests.append(m)
-        fulls = [m for m in manifests if m["kind"] == "full"]
-        if fulls:                                   # start from the newest full version in range
-            m = fulls[-1]
-            self._install_full(m)
-            manifests = [x for x in manifests if x["version"] > m["version"]]
-        for m in manifests:
-            self._apply_delta(m)
+    @staticmethod
+    def _where(v: int | None) -> str:
+        return "no version yet" if v is None else f"version {v}"
 
-    def _install_newest_full(self, latest: int) -> int:
-        errors = []
-        for v in sorted((v for v in list_versions(self.root) if v <= latest), reverse=True):
-            try:
-                m = read_manifest(self.root, v, self.before_read)
-                if m["kind"] != "full":
-                    continue
-                self._install_full(m)
-                return v
-            except (PayloadError, OSError) as e:
-                errors.append(str(e))
-        raise PayloadError(f"no usable full version at or below {latest} in {self.root}: "
-                           + ("; ".join(errors) or "none published"))
+    def _rebuild(self, planner: Planner, latest: int) -> None:
+        try:
+            self._run(planner.plan(None, latest, self.on_event))
+        except PayloadError as e:
+            raise type(e)(f"{e}; the local checkpoint holds no version now; {ADVICE}") from None
 
-    def _load(self, m: dict[str, Any]) -> tuple[dict[str, bytes], dict[str, torch.Tensor]]:
-        data = map_threads(lambda s: read_shard(self.root, m["version"], s), m["shards"])
-        shards = {s["file"]: b for s, b in zip(m["shards"], data)}   # read side by side
-        arrays: dict[str, torch.Tensor] = {}
-        for data in shards.values():
-            with warnings.catch_warnings():       # read-only views: nothing writes into them
-                warnings.simplefilter("ignore", UserWarning)
-                arrays.update(dict(unpack(data)[0]))
-        return shards, arrays
+    def _run(self, plan: Plan) -> None:
+        """Carry out a checked plan: deltas in place, or a full version and its deltas built
+        aside and swapped in at once."""
+        if plan.full is None:
+            Planner(self.root, self.before_read, self.hmac_key).check_contents(plan.deltas[1:])
+            for m in plan.deltas:
+                self._apply_delta(m)
+            return
+        build = self._build_full(plan.full)
+        try:
+            for m in plan.deltas:
+                _, arrays = shards.load(self.root, m, self.before_read)
+                changes = delta_changes(m, arrays, build.tensors,
+                                        lambda info: self.local.read_tensor(build.dir, info))
+                build.apply(m.version, changes, {n: m.tensors[n].digest for n in changes})
+            build.commit()
+        except BaseException:
+            build.discard()
+            raise
+        self.on_event(f"installed full version {plan.full.version}")
+        for m in plan.deltas:
+            self.on_event(f"applied delta version {m.version}")
 
-    def _install_full(self, m: dict[str, Any]) -> None:
-        shards, arrays = self._load(m)
+    def _build_full(self, m: Manifest) -> Build:
+        data, arrays = shards.load(self.root, m, self.before_read)
+        digests = full_digests(m, arrays)
+        del arrays
+        layout: dict[str, dict[str, Any]] = {}
+        for file, b in data.items():
+            for n, info in shards.full_layout(m, file, b).items():
+                layout[n] = {**info, "file": file}
+        return self.local.build(m.version, data, layout, digests)
 
-        def check(item: tuple[str, dict[str, Any]]) -> str:
-            name, t = item
-            new, _, _ = apply_entry(name, t, arrays, None, t["dtype"], t["shape"])
-            if tensor_digest(name, new) != t["digest"]:
-                raise PayloadError(f"version {m['version']}: tensor {name!r} does not match its digest")
-            return t["digest"]
-        items = list(m["tensors"].items())
-        digests = dict(zip((n for n, _ in items), map_threads(check, items)))
-        self.local.install_full(m["version"], shards, digests)
-        self.on_event(f"installed full version {m['version']}")
-
-    def _apply_delta(self, m: dict[str, Any]) -> None:
-        v = m["version"]
-        state = self.local.state()
-        d = self.local.data_dir()
-        if state is None or d is None or state["version"] != m["base_version"]:
-            raise ChainBroken(f"version {v} is against {m['base_version']}, local is "
+    def _apply_delta(self, m: Manifest) -> None:
+        state, d = self.local.state(), self.local.data_dir()
+        if state is None or d is None or state["version"] != m.base_version:
+            raise ChainBroken(f"version {m.version} is against {m.base_version}, local is "
                               f"{None if state is None else state['version']}")
-        if set(m["tensors"]) - set(state["tensors"]):
-            raise PayloadError(f"version {v} names tensors the local checkpoint does not have: "
-                               f"{sorted(set(m['tensors']) - set(state['tensors']))[:5]}")
-        _, arrays = self._load(m)
-        for name, t in m["tensors"].items():
-            if t.get("base_digest") and t["base_digest"] != state["tensors"][name]["digest"]:
-                raise ChainBroken(f"version {v}: tensor {name!r} was made against other bytes than "
-                                  f"the local version {state['version']} holds")
-
-        def prepare(item: tuple[str, dict[str, Any]]) -> Change:
-            name, t = item
-            info = state["tensors"][name]
-            idx, vals = entry_changes(name, t, arrays, lambda: self.local.read_tensor(d, info),
-                                      t["dtype"], t["shape"])
-            if idx is not None and idx.numel() == 0 and t["digest"] != info["digest"]:
-                raise PayloadError(f"version {v}: tensor {name!r} is unchanged, but its digest "
-                                   f"differs from the local one; the manifest is corrupted")
-            stored = None
-            if idx is not None and t.get("kind") == "sparse":     # journal the delta's own form
-                form = str(t.get("pos", "idx"))
-                stored = (form, {k: arrays[name + IDX_SEP + k] for k in positions.arrays_of(form)})
-            numel = int(math.prod(t["shape"]))
-            return Change.of(idx, vals, numel, stored)
-
-        items = list(m["tensors"].items())
-        changes = {name: c for (name, _), c in zip(items, map_threads(prepare, items))
-                   if c.idx is None or c.idx.numel()}
-        digests = {name: m["tensors"][name]["digest"] for name in changes}
-        # shards checked; the written bytes are checked against `digests` before state moves
-        self.local.apply_changes(v, changes, digests)
-        self.on_event(f"applied delta version {v}")
+        _, arrays = shards.load(self.root, m, self.before_read)
+        changes = delta_changes(m, arrays, state["tensors"], lambda info: self.local.read_tensor(d, info))
+        self.local.apply_changes(m.version, changes, {n: m.tensors[n].digest for n in changes})
+        self.on_event(f"applied delta version {m.version}")
 
     # -- the engine -------------------------------------------------------------------------
     def reload_engine(self) -> int | None:
@@ -184,21 +167,39 @@ class Agent:
         local = self.sync_local()
         return local, self.reload_engine()
 
+    def backoff(self, interval: float, failures: int) -> float:
+        """Seconds to wait after `failures` failed rounds in a row: doubling, at most
+        `max_backoff` (never below the poll interval)."""
+        return max(interval, min(self.max_backoff, interval * 2.0 ** failures))
+
     def run(self, interval: float = 0.5, until: int | None = None, once: bool = False,
-            timeout: float | None = None) -> int | None:
+            timeout: float | None = None, sleep: Callable[[float], None] = time.sleep) -> int | None:
+        """Rounds every `interval` seconds until the engine (or, without one, the local
+        checkpoint) is at `until`. A failed round is reported and retried after a back-off; in
+        loop mode no error ends the agent (`once` raises it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        failures = 0
         while True:
+            wait = interval
             try:
                 local, engine = self.step()
-            except WeightSyncError as e:
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - loop mode outlives any bad input
                 if once:
                     raise
-                self.on_event(f"error (will retry): {e}")
+                if not isinstance(e, WeightSyncError):
+                    log.exception("unexpected error in an agent round")
+                failures += 1
+                wait = self.backoff(interval, failures)
+                self.on_event(f"error (retrying in {wait:.1f}s): {e}")
                 local = engine = None
             target = engine if self.adapter is not None else local
             if once or (until is not None and target is not None and target >= until):
                 return target
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"agent did not reach version {until} within {timeout}s "
-                                   f"(local {local}, engine {engine})")
-            time.sleep(interval)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"agent did not reach version {until} within {timeout}s "
+                                       f"(local {local}, engine {engine})")
+                wait = min(wait, left)
+            sleep(wait)

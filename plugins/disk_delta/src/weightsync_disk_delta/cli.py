@@ -26,9 +26,25 @@ def _agent(args: argparse.Namespace) -> int:
 
     from .agent import Agent
     from .layout import load_hook
-    adapter = _adapter(args.engine, args.url, args.api_key)
+    from weightsync.httpserver import resolve_key
+    adapter = _adapter(args.engine, args.url, resolve_key(args.api_key, args.api_key_file,
+                                                          env="WEIGHTSYNC_ENGINE_KEY"))
+    from weightsync.signing import load_key
     agent = Agent(args.root, args.local, adapter, before_read=load_hook(args.before_read),
-                  fsync=args.fsync, on_event=lambda m: print(f"agent: {m}", flush=True))
+                  fsync=args.fsync, on_event=lambda m: print(f"agent: {m}", flush=True),
+                  max_backoff=args.max_backoff, hmac_key=load_key(None, args.hmac_key_file))
+    member = None
+    if args.fleet:                          # show this host and its version in the fleet
+        import socket
+
+        from weightsync.fleet.member import Membership
+        from weightsync.httpserver import resolve_key
+        url = args.url or "http://127.0.0.1:1"
+        member = Membership(args.fleet, resolve_key(args.fleet_key, None, env="WEIGHTSYNC_FLEET_KEY"),
+                            {"name": args.name or socket.gethostname(), "url": url,
+                             "adapter": {"kind": args.engine}, "role": "host"},
+                            version=lambda: agent.local.version)
+        member.start()
     print(f"agent: following {args.root} into {args.local}", flush=True)
     try:
         v = agent.run(interval=args.interval, until=args.until, once=args.once, timeout=args.timeout)
@@ -37,27 +53,47 @@ def _agent(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - --once: a bug is reported, with its traceback
+        logging.getLogger("weightsync.disk_delta").exception("unexpected error")
+        print(f"error: unexpected {type(e).__name__}: {e}; please report it with this output",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if member is not None:
+            member.stop()
     print(f"agent: done at version {v}", flush=True)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser("weightsync-disk-delta",
-                                description="Pull published weight versions into a host-local checkpoint.")
+                                description="Pull published weight versions into a host-local checkpoint.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("agent", help="follow a published root and keep an engine current")
+    sp = sub.add_parser("agent", help="follow a published root and keep an engine current",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sp.add_argument("--root", required=True, help="the published directory (shared filesystem)")
     sp.add_argument("--local", required=True, help="host-local checkpoint directory")
     sp.add_argument("--engine", default="reference",
                     help="adapter kind (reference, vllm, sglang, ...) or 'none' for only the checkpoint")
     sp.add_argument("--url", default=None, help="the engine's URL")
-    sp.add_argument("--api-key", default=None)
+    sp.add_argument("--api-key", default=None, help="the engine's key (prefer --api-key-file or "
+                    "$WEIGHTSYNC_ENGINE_KEY: a command line is visible to other users)")
+    sp.add_argument("--api-key-file", default=None, help="read the engine's key from this file")
     sp.add_argument("--interval", type=float, default=0.5, help="seconds between polls of `latest`")
+    sp.add_argument("--max-backoff", type=float, default=60.0,
+                    help="longest wait after failed rounds (the wait doubles from --interval)")
     sp.add_argument("--once", action="store_true", help="one round, then exit")
     sp.add_argument("--until", type=int, default=None, help="exit once the engine is at this version")
     sp.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     sp.add_argument("--before-read", default=None, help="'module:function' called before each read")
     sp.add_argument("--fsync", action="store_true", help="flush the local checkpoint on every change")
+    sp.add_argument("--hmac-key-file", default=None, help="refuse versions whose manifest is not "
+                    "signed with this shared key (also $WEIGHTSYNC_HMAC_KEY)")
+    sp.add_argument("--fleet", default=None, metavar="URL",
+                    help="register this host (role host) with a fleet registry, with its version")
+    sp.add_argument("--fleet-key", default=None, help="the registry's key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--name", default=None, help="this host's member name (default: the hostname)")
     sp.set_defaults(fn=_agent)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -213,6 +213,9 @@ def entry_changes(name: str, entry: Mapping[str, Any], arrays: Mapping[str, torc
     if base is None:
         raise PayloadError(f"tensor {name!r}: a {kind} delta needs the current tensor, which the "
                            f"receiver does not have")
+    if parts[0].dtype != torch.uint8 or parts[0].dim() != 1:
+        raise PayloadError(f"tensor {name!r}: malformed xor delta ({parts[0].dtype} "
+                           f"{list(parts[0].shape)}, expected uint8 bytes)")
     cur = base()
     check_like(name, cur, dtype, shape)
     bb = bits(cur)

@@ -206,6 +206,11 @@ class DeltaEncoding(Encoding):
                 "base_version": base_version, "tensors": entries, "changed_elements": changed_total}
         return Payload(bucket.index, bucket.last, self.name, bucket.digest(), bucket.specs(), body, meta)
 
+    def base(self) -> int | None:
+        """The version an engine must hold to apply this sync (None: this sync ships whole
+        tensors, which apply to any version)."""
+        return None if self._full else self.base_version
+
     def settle(self) -> float:
         """Wait until the last commit's patches are in the kept version; returns how long that
         background work ran (0.0: none was pending). The next sync does this by itself."""

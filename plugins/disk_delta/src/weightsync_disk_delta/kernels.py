@@ -1,6 +1,6 @@
 """The hot loops of a delta: find what changed (sender), turn positions into gaps and back, write
-changes into a tensor while keeping what they replace (host). With numba installed (a dependency
-of this plugin) each is one compiled pass over the bytes, and the tensor's digest is hashed chunk
+changes into a tensor while keeping what they replace (host). With numba installed (the plugin's
+`fast` extra) each is one compiled pass over the bytes, and the tensor's digest is hashed chunk
 by chunk while those bytes are still in cache; without it (or with WEIGHTSYNC_JIT=0) numpy and
 torch give the same results in several passes (publishing about 2x slower). Tests run both and
 compare them."""
@@ -37,11 +37,17 @@ def jit() -> Any:
     return _jit
 
 
+_warmed = False
+
+
 def warm() -> None:
-    """Compile or load the kernels now, not inside the first sync that needs them."""
+    """Compile or load the kernels now, not inside the first sync that needs them (once per
+    process)."""
+    global _warmed
     k = jit()
-    if k is not None:
+    if k is not None and not _warmed:
         k.warm()
+        _warmed = True
 
 
 def _plain(a: np.ndarray) -> np.ndarray:
@@ -130,25 +136,43 @@ def gaps(idx: np.ndarray, top: int, small_t: Any, far_t: Any, n_far: int) -> tup
     return small, far
 
 
-def ungap(small: np.ndarray, far: np.ndarray) -> np.ndarray | None:
-    """int64 positions from gaps (unsigned) and escapes; None when they do not pair up."""
+def ungap(small: np.ndarray, far: np.ndarray, numel: int) -> np.ndarray | None:
+    """int64 positions from gaps (unsigned) and escapes; None when they do not pair up, an
+    escape is below 1 or above `numel`, or a position reaches `numel`."""
     k = jit()
     if k is None:
         g = small.astype(np.int64)
         holes = g == 0
-        if int(np.count_nonzero(holes)) != far.size or (far.size and int(far.min()) < 1):
+        if int(np.count_nonzero(holes)) != far.size or \
+                (far.size and (int(far.min()) < 1 or int(far.max()) > numel)):
             return None
         g[holes] = far
-        out = np.cumsum(g)
-        out -= 1
+        out = np.cumsum(g)       # gaps in 1..numel, at most numel of them: no int64 overflow
+        out -= 1                 # below 2**31.5 elements; above, the ascending check catches it
+        if out.size and (int(out[-1]) >= numel or
+                         (numel > 1 << 31 and not bool(np.all(out[1:] > out[:-1])))):
+            return None
         return out
     out = np.empty(small.size, np.int64)
-    return out if k.ungap(_plain(small), _plain(far), out) else None
+    return out if k.ungap(_plain(small), _plain(far), out, numel) else None
+
+
+def _check_positions(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """The kernels trust their positions (ascending, validated by the caller); this cheap check
+    of both ends makes a caller's mistake an error instead of a write outside the tensor."""
+    if idx.dim() != 1 or vals.dim() != 1 or idx.numel() != vals.numel() or idx.dtype != torch.int64:
+        raise ValueError(f"positions {idx.dtype} {list(idx.shape)} and values {list(vals.shape)} "
+                         f"do not pair up")
+    if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= region.numel()):
+        raise ValueError(f"positions {int(idx[0])}..{int(idx[-1])} run outside a tensor of "
+                         f"{region.numel()} elements")
 
 
 def swap(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, hasher: Any = None) -> torch.Tensor:
     """Write `vals` at `idx` (validated) into the flat integer tensor `region`; returns the
-    values they replaced. `hasher` is fed region's bytes after the write."""
+    values they replaced. `hasher` is fed region's bytes after the write. Raises only before
+    anything is written, so a caller that gets an error knows the region is as it was."""
+    _check_positions(region, idx, vals)
     k = jit()
     if k is None:
         old = torch.take(region, idx)
@@ -176,6 +200,7 @@ def swap(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, hasher: An
 
 def put(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
     """region[idx] = vals for a flat integer tensor and validated int64 positions."""
+    _check_positions(region, idx, vals)
     k = jit()
     if k is None:
         region.index_put_((idx,), vals)

@@ -3,70 +3,70 @@
     LOCAL/.lock                 flock: exclusive to change, shared while an engine reads
     LOCAL/model -> data-<id>    symlink, swapped atomically (a fresh full copy)
     LOCAL/data-<id>/*.safetensors, state.json {"version", "tensors": {name: file, offset, digest}}
-    LOCAL/data-<id>/journal/    a committed redo journal (changes.safetensors + journal.json)
+    LOCAL/data-<id>/journal/    a committed redo journal (journal.py)
 
-A delta is applied in place, through a journal: the changed positions (in the delta's compact
-form) with their new values are written and flushed under a temporary name, renamed to `journal`
-(the commit point), the new values are written into the data files while the ones they replace
-are kept in memory, each changed tensor's digest is checked on the bytes now in the file, then
-state.json moves to the new version and the journal is dropped. `recover()` replays a committed
-journal and deletes anything half-made, so after a crash at any moment the checkpoint holds one
-whole version: the old one, or the new one.
+A delta is applied in place, through a journal: the changes are checked against the local
+tensors, journalled and renamed into place (the commit point), written into the data files while
+the values they replace are kept in memory, and each changed tensor's digest is checked on the
+bytes now in the file; then state.json moves to the new version and the journal is dropped.
+A digest that does not match, or any error while writing, puts the old values back (recorded in
+the journal first, so a crash meanwhile is finished by the next replay): the old version stays.
 
-Checking after writing reads the changed tensors once, from the page cache (one pass writes and
-hashes, kernels.swap); checking before writing would read, patch and hash them and then write
-them as well. A digest that does not match puts the old values back, so the old version stays
-current."""
+A full version is built in a fresh data directory (with any deltas after it) and becomes current
+only when `model` is swapped to it, so the checkpoint moves from one whole version to another in
+one step. `recover()` replays a committed journal and deletes anything half-made, so after a
+crash at any moment the checkpoint holds one whole version, old or new. A copy that cannot be
+brought back to a whole version is discarded as a whole (`model` removed first), never left
+mixed; the agent then installs the newest full version."""
 
 from __future__ import annotations
 
 import fcntl
 import json
-import mmap
+import logging
 import os
 import shutil
-import threading
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from pydantic import ValidationError
 
-from weightsync.bucket import dtype_from_name, tensor_digest, tensor_header
+from weightsync.bucket import dtype_from_name, tensor_digest
 from weightsync.errors import PayloadError
 from weightsync.parallel import map_threads
-from weightsync.wire import unpack
 
-from . import kernels, positions
-from .hashing import Digest
+from . import journal
+from .change import Change, check_changes
 from .layout import atomic_write, fsync_dir, write_file
+from .mapped import map_file, unmap_later, write_changes
+from .schema import ITEMSIZE, LocalState, numel_of
 
+__all__ = ["LocalCheckpoint", "Build", "Change", "Undone", "map_file", "unmap_later",
+           "tensor_offsets"]
+
+log = logging.getLogger("weightsync.disk_delta.local")
 _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-_TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+class Undone(PayloadError):
+    """A delta was written and then taken back: the old version stays current, or, when even
+    that failed, the copy was discarded (`version` is then None)."""
 
 
 def tensor_offsets(path: Path) -> dict[str, dict[str, Any]]:
-    """name -> {offset (absolute, in bytes), dtype, shape} of a safetensors file."""
+    """name -> {offset (absolute, in bytes), dtype, shape} of a safetensors file (reads only its
+    header; for files this host wrote or checked)."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        hlen = int.from_bytes(head, "little")
+        hlen = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(hlen))
     header.pop("__metadata__", None)
     from weightsync.wire import _ST_NAMES
-    out = {}
-    for name, info in header.items():
-        start, _ = info["data_offsets"]
-        out[name] = {"offset": 8 + hlen + int(start), "dtype": _ST_NAMES[info["dtype"]],
-                     "shape": [int(d) for d in info["shape"]]}
-    return out
+    return {n: {"offset": 8 + hlen + int(info["data_offsets"][0]), "dtype": _ST_NAMES[info["dtype"]],
+                "shape": [int(d) for d in info["shape"]]} for n, info in header.items()}
 
 
 class LocalCheckpoint:
@@ -74,12 +74,11 @@ class LocalCheckpoint:
         self.path = Path(path)
         self.fsync = fsync
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = None
 
     # -- locking ----------------------------------------------------------------------------
     @contextmanager
     def locked(self, exclusive: bool = True) -> Iterator[LocalCheckpoint]:
-        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             if exclusive:
@@ -99,15 +98,16 @@ class LocalCheckpoint:
         if not link.is_symlink():
             return None
         d = self.path / os.readlink(link)
-        return d if d.is_dir() else None
+        return d if d.is_dir() and d.parent == self.path else None
 
     def state(self) -> dict[str, Any] | None:
+        """The current version's state (validated), or None when there is no whole version."""
         d = self.data_dir()
         if d is None:
             return None
         try:
-            return json.loads((d / "state.json").read_bytes())
-        except (FileNotFoundError, ValueError):
+            return LocalState.model_validate_json((d / "state.json").read_bytes()).model_dump()
+        except (OSError, ValidationError):
             return None
 
     @property
@@ -119,7 +119,7 @@ class LocalCheckpoint:
         """Finish or undo whatever a crashed writer left (call under the exclusive lock)."""
         d = self.data_dir()
         for p in self.path.iterdir():          # unfinished copies, swapped-out data, temp links
-            if p.name.startswith((".model", "data-")) and (d is None or p.resolve() != d.resolve()):
+            if p.name.startswith((".model", "data-")) and (d is None or p.name != d.name):
                 if p.is_symlink() or p.is_file():
                     p.unlink(missing_ok=True)
                 else:
@@ -132,11 +132,23 @@ class LocalCheckpoint:
                     shutil.rmtree(p, ignore_errors=True)
                 else:
                     p.unlink(missing_ok=True)
-        if (d / "journal").is_dir():
+        if (d / journal.JOURNAL).is_dir():
             try:
-                self._redo(d)
-            except PayloadError:
-                pass                      # the data was discarded; the next sync installs a full one
+                self._replay(d)
+            except Exception as e:  # noqa: BLE001 - whatever a replay meets, the copy goes
+                log.warning("the local checkpoint's journal could not be finished (%s); the copy "
+                            "was discarded and the newest full version will be installed", e)
+                self.discard()
+
+    def discard(self) -> None:
+        """Remove the current copy as a whole: `model` first (one step: no version, nothing an
+        engine could load), then its data. The agent then installs the newest full version."""
+        d = self.data_dir()
+        self.model_dir.unlink(missing_ok=True)
+        if self.fsync:
+            fsync_dir(self.path)
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the current version (copies), for checks and tests."""
@@ -145,9 +157,9 @@ class LocalCheckpoint:
             return {}
         return {n: self.read_tensor(d, info) for n, info in s["tensors"].items()}
 
-    def read_tensor(self, d: Path, info: dict[str, Any]) -> torch.Tensor:
-        size = _itemsize(info["dtype"])
-        numel = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
+    def read_tensor(self, d: Path, info: Mapping[str, Any]) -> torch.Tensor:
+        size = ITEMSIZE[info["dtype"]]
+        numel = numel_of(info["shape"])
         buf = np.empty(numel, dtype=_NP_INT[size])
         with open(d / info["file"], "rb") as f:
             f.seek(info["offset"])
@@ -165,235 +177,157 @@ class LocalCheckpoint:
             n, info = item
             try:
                 return tensor_digest(n, self.read_tensor(d, info)) == info["digest"]
-            except PayloadError:
+            except (OSError, PayloadError):
                 return False
         items = list(s["tensors"].items())
         return [n for (n, _), good in zip(items, map_threads(ok, items)) if not good]
 
-    # -- installing a full version ----------------------------------------------------------
-    def install_full(self, version: int, shards: dict[str, bytes], digests: dict[str, str]) -> None:
-        """Make a fresh data directory from full shards (already checked), then swap `model`."""
-        new = self.path / f"data-{uuid.uuid4().hex[:12]}"
-        new.mkdir()
-        tensors: dict[str, Any] = {}
-        for fname, data in shards.items():
-            write_file(new / fname, data, self.fsync)
-            for n, info in tensor_offsets(new / fname).items():
-                tensors[n] = {**info, "file": fname, "digest": digests[n]}
-        missing = set(digests) - set(tensors)
-        if missing:
-            shutil.rmtree(new, ignore_errors=True)
-            raise PayloadError(f"full version {version} lacks tensors {sorted(missing)[:5]}")
-        atomic_write(new / "state.json", json.dumps({"version": version, "tensors": tensors}).encode(),
-                     self.fsync)
-        link = self.path / f".model-{uuid.uuid4().hex[:8]}"
-        os.symlink(new.name, link)
-        os.replace(link, self.model_dir)           # the commit point
-        if self.fsync:
-            fsync_dir(self.path)
-        self.recover()                              # drops the old data directory
+    # -- a full version, built aside -------------------------------------------------------
+    def build(self, version: int, shards: Mapping[str, bytearray],
+              layout: Mapping[str, Mapping[str, Any]], digests: Mapping[str, str]) -> Build:
+        """A fresh data directory holding a full version: `shards` (checked, file -> bytes) as
+        its data files, `layout` their tensors (name -> file, offset, dtype, shape)."""
+        b = Build(self, self.path / f"data-{uuid.uuid4().hex[:12]}", version)
+        b.dir.mkdir()
+        try:
+            for fname, data in shards.items():
+                write_file(b.dir / fname, data, self.fsync)
+            b.tensors = {n: {**dict(info), "digest": digests[n]} for n, info in layout.items()}
+        except BaseException:
+            b.discard()
+            raise
+        return b
 
-    # -- applying a delta in place ----------------------------------------------------------
-    def apply_changes(self, version: int, changes: dict[str, Change], digests: dict[str, str]) -> None:
-        """Journal the changes (positions as compact as the delta had them, new values), then
-        write them in place, keeping the values they replace in memory, then check every changed
-        tensor's digest on the written bytes, then state."""
+    # -- a delta, in place ------------------------------------------------------------------
+    def apply_changes(self, version: int, changes: dict[str, Change], digests: Mapping[str, str]) -> None:
+        """Check the changes against the local tensors, journal them, write them in place
+        (keeping the values they replace), check every changed tensor's digest on the written
+        bytes, then move state. Any failure puts the old values back."""
         d, s = self.data_dir(), self.state()
         if d is None or s is None:
             raise PayloadError("the local checkpoint holds no version to apply a delta to")
-        for n in changes:
-            if n not in s["tensors"]:
-                raise PayloadError(f"tensor {n!r} is not in the local checkpoint")
-        arrays: dict[str, torch.Tensor] = {}
-        forms: dict[str, str] = {}
-        for n, c in changes.items():
-            if c.idx is None:
-                arrays[n + "::full"] = c.vals.contiguous()
-                continue
-            forms[n] = c.form
-            arrays.update({n + "::" + k: a.contiguous() for k, a in c.stored.items()})
-            arrays[n + "::val"] = c.vals.contiguous()
-        new_state = {"version": version,
-                     "tensors": {n: {**info, "digest": digests.get(n, info["digest"])}
-                                 for n, info in s["tensors"].items()}}
-        tmp = d / f".journal-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        save_file(arrays, str(tmp / "changes.safetensors"))
-        write_file(tmp / "journal.json", json.dumps({"old": s, "new": new_state, "pos": forms}).encode(),
-                   self.fsync)
-        if self.fsync:
-            with open(tmp / "changes.safetensors", "rb+") as f:
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
-        os.rename(tmp, d / "journal")               # the commit point
-        if self.fsync:
-            fsync_dir(d)
-        self._redo(d, changes)
+        check_changes(changes, s["tensors"], version)               # before the journal
+        new = {"version": version,
+               "tensors": {n: {**info, "digest": digests.get(n, info["digest"])}
+                           for n, info in s["tensors"].items()}}
+        journal.commit(d, changes, s, new, self.fsync)
+        self._forward(d, journal.Journal(s, new, changes, None), live=True)
 
-    def _redo(self, d: Path, changes: dict[str, Change] | None = None) -> None:
-        """Write a committed journal into the data files (idempotent), check the digest of every
-        tensor it touched on the bytes now in the file, move state, drop the journal.
-
-        A digest that does not match: the replaced values go back and the old version stays
-        current. They are known when this process wrote the journal (kept in memory while
-        writing) or when the journal holds them (older releases wrote them); after a crash they
-        are not, and the data directory is discarded. So it is too when the old bytes do not
-        match the old digests either: they were damaged before this delta. Without state, the
-        next sync installs the newest full version."""
-        j = d / "journal"
-        journal = json.loads((j / "journal.json").read_bytes())
-        if "new" not in journal:        # an older release's journal: new values only, no undo
-            journal = {"old": None, "new": journal}
-        old_state, new_state = journal["old"], journal["new"]
-        v_old, v_new = (old_state or {}).get("version"), new_state["version"]
-        if changes is None:                         # a replay: only the journal knows the values
-            changes, undo = _journal_changes(journal, new_state, j / "changes.safetensors")
-            can_undo = old_state is not None and set(undo) == set(changes)
-            capture = None
-        else:
-            undo = capture = {}                     # filled by the write below
-            can_undo = True
-        bad = self._write(d, changes, new_state, capture)
-        if bad:
-            still = bad if not can_undo else self._write(
-                d, {n: Change(changes[n].idx, undo[n]) for n in changes}, old_state, None)
-            if still:
-                (d / "state.json").unlink(missing_ok=True)
-                why = (f"tensors {still[:5]} differ from their digests" if can_undo else
-                       "the values it replaced are not known after a crash")
-                what = (f"the local checkpoint cannot be brought back to version {v_old} ({why}); "
-                        f"it was discarded and the newest full version will be installed")
-            else:
-                what = f"the delta was not applied; the local checkpoint stays at version {v_old}"
-            self._drop_journal(d)
-            raise PayloadError(f"version {v_new}: tensors {bad[:5]} do not match their digests "
-                               f"after the delta was written; {what}")
-        atomic_write(d / "state.json", json.dumps(new_state).encode(), self.fsync)
-        self._drop_journal(d)
-
-    def _write(self, d: Path, changes: dict[str, Change], state: dict[str, Any],
-               undo: dict[str, torch.Tensor] | None) -> list[str]:
-        """Write `changes` into the data files, hashing each changed tensor as it goes; returns
-        the names whose bytes then differ from `state`'s digests. `undo`, when given, receives
-        the values each write replaced."""
-        names = sorted(changes)
-        files = sorted({state["tensors"][n]["file"] for n in names})
-        maps = [map_file(d / f) for f in files]       # every file at once: one pass over all tensors
-        bufs = {f: buf for f, (_, buf) in zip(files, maps)}
+    def _forward(self, d: Path, j: journal.Journal, live: bool) -> None:
+        """Write a committed journal's new values (idempotent), check them, move state, drop
+        the journal. `live`: this process wrote the journal and keeps the replaced values."""
+        replaced: dict[str, torch.Tensor] | None = {} if live else None
         try:
-            def write_and_check(n: str) -> bool:
-                info = state["tensors"][n]
-                c = changes[n]
-                region = _region(bufs[info["file"]], info)
-                view = region.view(dtype_from_name(info["dtype"])).reshape(info["shape"])
-                h = Digest(tensor_header(n, view))
-                if c.idx is None:
-                    if undo is not None:
-                        undo[n] = region.clone()
-                    region.copy_(c.vals.reshape(-1).view(region.dtype))
-                    h.update(memoryview(region.numpy()).cast("B"))
-                else:
-                    old = kernels.swap(region, c.idx, c.vals.view(region.dtype), h)
-                    if undo is not None:
-                        undo[n] = old
-                return h.hexdigest() == info["digest"]
-            bad = [n for n, ok in zip(names, map_threads(write_and_check, names)) if not ok]
-            if self.fsync:
-                for mm, _ in maps:
-                    mm.flush()
-            return bad
-        finally:
-            bufs.clear()
-            unmap_later(maps)
+            bad = write_changes(d, j.changes, j.new, replaced, self.fsync)
+        except Exception as e:  # noqa: BLE001 - every error is undone, then reported
+            if replaced is None:
+                raise
+            self._undo(d, j, replaced, f"writing it failed ({type(e).__name__}: {e})")
+        if bad:
+            if replaced is None:
+                replaced = j.undo                   # a first-format journal holds them
+            if replaced is None:
+                self.discard()
+                raise Undone(f"version {j.new['version']}: tensors {bad[:5]} do not match their "
+                             f"digests after a replay, and the values it replaced are not known "
+                             f"after a crash; the local copy was discarded and the newest full "
+                             f"version will be installed")
+            self._undo(d, j, replaced, f"tensors {bad[:5]} do not match their digests after the "
+                                       f"delta was written")
+        atomic_write(d / "state.json", json.dumps(j.new).encode(), self.fsync)
+        journal.drop(d)
 
-    @staticmethod
-    def _drop_journal(d: Path) -> None:
-        done = d / f".journal-done-{uuid.uuid4().hex[:8]}"
-        os.rename(d / "journal", done)
-        shutil.rmtree(done, ignore_errors=True)
+    def _undo(self, d: Path, j: journal.Journal, replaced: dict[str, torch.Tensor], why: str) -> None:
+        """Put the replaced values back (recorded in the journal first, so a crash meanwhile is
+        finished by the next replay), check them against the old version's digests, drop the
+        journal. Always raises Undone, saying what happened. Tensors without replaced values
+        were never written."""
+        back = {n: Change(j.changes[n].idx, replaced[n]) for n in j.changes if n in replaced}
+        try:
+            journal.save_undo(d, {n: c.vals for n, c in back.items()}, self.fsync)
+        except OSError as e:       # a full disk: put them back all the same
+            log.warning("the undo record could not be written (%s)", e)
+        self._restore(d, j, back, why)
 
+    def _restore(self, d: Path, j: journal.Journal, back: dict[str, Change], why: str) -> None:
+        """Write `back` (old values) and check every changed tensor against the old state;
+        discard the copy when that fails. Raises Undone either way."""
+        v_old, v_new = None if j.old is None else j.old["version"], j.new["version"]
+        try:
+            if j.old is None:
+                still = ["<the old state is not known>"]
+            else:       # what was put back, and what (no replaced values) was never written
+                still = write_changes(d, back, j.old, None, self.fsync) + \
+                    [n for n in sorted(set(j.changes) - set(back)) if not self._matches(d, n, j.old)]
+        except Exception as e:  # noqa: BLE001 - the copy cannot be trusted any more
+            still = [f"<{type(e).__name__}: {e}>"]
+        if still:
+            self.discard()
+            raise Undone(f"version {v_new}: {why}; the local checkpoint could not be brought back "
+                         f"to version {v_old} (tensors {still[:5]} differ from their digests: the "
+                         f"local copy was damaged before), so it was discarded and the newest "
+                         f"full version will be installed")
+        journal.drop(d)
+        raise Undone(f"version {v_new}: {why}; the delta was not applied and the local "
+                     f"checkpoint stays at version {v_old}")
 
-def map_file(path: Path) -> tuple[mmap.mmap, torch.Tensor]:
-    """A file's bytes as a writable uint8 tensor over a shared mapping (writes go to the page
-    cache, the same pages the engine reads), with the mapping itself."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+    def _matches(self, d: Path, name: str, state: Mapping[str, Any]) -> bool:
+        info = state["tensors"][name]
+        return tensor_digest(name, self.read_tensor(d, info)) == info["digest"]
 
-
-def unmap_later(maps: list[tuple[mmap.mmap, torch.Tensor]]) -> threading.Thread:
-    """Unmap on a thread of its own: unmapping a written GiB costs about 15 ms (page tables, TLB)
-    that nothing has to wait for, the written pages stay in the page cache. Takes the caller's
-    list, so the caller holds no view that would keep a mapping alive."""
-    def close() -> None:
-        while maps:
-            mm, buf = maps.pop()
-            del buf
-            try:
-                mm.close()
-            except BufferError:       # a view is still alive somewhere; the GC unmaps it
-                pass
-    t = threading.Thread(target=close, name="weightsync-unmap", daemon=True)
-    t.start()
-    return t
-
-
-def _region(buf: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
-    """One tensor's bytes inside a mapped file, as a flat integer view."""
-    size = _itemsize(info["dtype"])
-    numel = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
-    off = int(info["offset"])
-    region = buf[off: off + numel * size]
-    if region.numel() != numel * size:
-        raise PayloadError(f"local checkpoint: tensor at offset {off} runs past the end of its file")
-    if off % size:
-        raise PayloadError(f"local checkpoint: tensor at offset {off} is not aligned to {size} bytes")
-    return region.view(_TORCH_INT[size])
-
-
-@dataclass
-class Change:
-    """What a delta does to one tensor of the local checkpoint."""
-    idx: torch.Tensor | None                 # validated int64 positions (None: `vals` is whole)
-    vals: torch.Tensor                       # the new values as integer bits, or the whole tensor
-    stored: dict[str, torch.Tensor] = field(default_factory=dict)  # positions as journalled
-    form: str = "idx"                        # their positions.py form
-
-    @classmethod
-    def of(cls, idx: torch.Tensor | None, vals: torch.Tensor, numel: int,
-           stored: tuple[str, dict[str, torch.Tensor]] | None = None) -> Change:
-        """A change; its positions are gap-coded for the journal unless `stored` has them."""
-        if idx is None:
-            return cls(None, vals)
-        form, arrays = stored or positions.encode(idx, numel)
-        return cls(idx, vals, arrays, form)
+    def _replay(self, d: Path) -> None:
+        """Finish a committed journal after a crash: put the old values back when an undo was
+        under way, else write the new ones (undone when they fail their digests and the old
+        ones are known, else the copy is discarded)."""
+        j = journal.load(d)
+        try:
+            if j.undoing:
+                assert j.undo is not None
+                back = {n: Change(c.idx, j.undo[n]) for n, c in j.changes.items()}
+                self._restore(d, j, back, "a crash interrupted putting the old values back")
+            self._forward(d, j, live=False)
+        except Undone as e:
+            log.warning("%s", e)       # finished: the old version stays, or the copy is gone
 
 
-def _journal_changes(journal: dict[str, Any], state: dict[str, Any], path: Path
-                     ) -> tuple[dict[str, Change], dict[str, torch.Tensor]]:
-    """A committed journal's changes (positions decoded and validated) and the replaced values
-    it holds (only older releases wrote them)."""
-    arrays = dict(unpack(bytearray(path.read_bytes()))[0])
-    forms = journal.get("pos", {})
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for key, a in arrays.items():
-        n, _, suffix = key.rpartition("::")
-        parts.setdefault(n, {})[suffix] = a
-    changes: dict[str, Change] = {}
-    undo: dict[str, torch.Tensor] = {}
-    for n, ps in parts.items():
-        info = state["tensors"][n]
-        if "old" in ps:
-            undo[n] = ps.pop("old")
-        if "full" in ps:
-            changes[n] = Change(None, ps["full"])
-            continue
-        numel = int(np.prod(info["shape"], dtype=np.int64)) if info["shape"] else 1
-        vals = ps.pop("val")
-        form = forms.get(n, "idx")
-        idx = positions.decode(n, form, ps, vals.numel(), numel)
-        changes[n] = Change(idx, vals, ps, form)
-    return changes, undo
+class Build:
+    """A version being made in a fresh data directory next to the current one: nothing reads it
+    until `commit` swaps `model` to it, and a crash before that leaves it to the next
+    `recover()`, which removes it."""
+
+    def __init__(self, lc: LocalCheckpoint, d: Path, version: int) -> None:
+        self.lc, self.dir, self.version = lc, d, version
+        self.tensors: dict[str, dict[str, Any]] = {}
+        self.committed = False
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return {"version": self.version, "tensors": self.tensors}
+
+    def apply(self, version: int, changes: dict[str, Change], digests: Mapping[str, str]) -> None:
+        """Write a delta straight into the new copy (no journal: a failure discards the copy)."""
+        check_changes(changes, self.tensors, version)
+        new = {n: {**info, "digest": digests.get(n, info["digest"])} for n, info in self.tensors.items()}
+        bad = write_changes(self.dir, changes, {"tensors": new}, None, self.lc.fsync)
+        if bad:
+            raise PayloadError(f"version {version}: tensors {bad[:5]} do not match their digests "
+                               f"after the delta was written")
+        self.tensors, self.version = new, version
+
+    def commit(self) -> None:
+        """Write state, swap `model` to the new copy (the commit point), drop the old one."""
+        atomic_write(self.dir / "state.json", json.dumps(self.state).encode(), self.lc.fsync)
+        if self.lc.fsync:
+            fsync_dir(self.dir)
+        link = self.lc.path / f".model-{uuid.uuid4().hex[:8]}"
+        os.symlink(self.dir.name, link)
+        os.replace(link, self.lc.model_dir)           # the commit point
+        self.committed = True
+        if self.lc.fsync:
+            fsync_dir(self.lc.path)
+        self.lc.recover()                             # drops the old data directory
+
+    def discard(self) -> None:
+        """Remove the new copy, unless it already became the current one."""
+        if not self.committed:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -7,7 +7,8 @@ its distance from the previous one: at 1 % density the gaps average 100, so most
             a gap above 65535, taken in order from `far`
 
 `encode` picks the smallest form; `decode` validates, so a corrupt payload cannot write out of
-place: every gap is at least 1 (so positions ascend) and the last position is inside the tensor."""
+place: every gap is at least 1 (so positions ascend), no gap is larger than the tensor (so the
+running position cannot overflow), and every position is inside the tensor."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from . import kernels
 
 FORMS = {"gap8": (np.uint8, 255), "gap16": (np.uint16, 65535)}
 _STORED = {np.uint8: np.uint8, np.uint16: np.int16}
+_TORCH_STORED = {"gap8": torch.uint8, "gap16": torch.int16}
 
 
 def arrays_of(form: str) -> list[str]:
@@ -55,7 +57,10 @@ def encode(idx: torch.Tensor, numel: int, over: tuple[int, int] | None = None
 
 
 def decode(name: str, form: str, parts: dict[str, torch.Tensor], count: int, numel: int) -> torch.Tensor:
-    """Ascending int64 positions, checked: `count` of them, all inside `numel`."""
+    """Ascending int64 positions, checked: `count` of them (at most `numel`), all inside `numel`."""
+    if count > numel:
+        raise PayloadError(f"tensor {name!r}: {count} changed positions in a tensor of {numel} "
+                           f"elements; the payload is corrupted")
     if form == "idx":
         idx = parts["idx"]
         if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1 or idx.numel() != count:
@@ -66,16 +71,16 @@ def decode(name: str, form: str, parts: dict[str, torch.Tensor], count: int, num
             raise PayloadError(f"tensor {name!r}: sparse delta positions are out of range 0..{numel - 1} "
                                f"or not ascending; the payload is corrupted")
         return idx
+    if form not in FORMS:
+        raise PayloadError(f"tensor {name!r}: unknown positions form {form!r}")
     t, _ = FORMS[form]
     small, far = parts[form], parts["far"]
-    if small.numpy().dtype != _STORED[t] or small.dim() != 1 or small.numel() != count \
+    if small.dtype != _TORCH_STORED[form] or small.dim() != 1 or small.numel() != count \
             or far.dtype not in (torch.int32, torch.int64) or far.dim() != 1:
-        raise PayloadError(f"tensor {name!r}: malformed {form} positions")
-    idx = kernels.ungap(small.numpy().view(t), far.numpy())
+        raise PayloadError(f"tensor {name!r}: malformed {form} positions ({small.dtype} "
+                           f"{list(small.shape)}, escapes {far.dtype} {list(far.shape)})")
+    idx = kernels.ungap(small.numpy().view(t), far.numpy(), numel)
     if idx is None:
-        raise PayloadError(f"tensor {name!r}: {form} positions do not match their escapes; the "
-                           f"payload is corrupted")
-    if idx.size and int(idx[-1]) >= numel:
-        raise PayloadError(f"tensor {name!r}: sparse delta positions run past the tensor's "
-                           f"{numel} elements; the payload is corrupted")
+        raise PayloadError(f"tensor {name!r}: {form} positions do not match their escapes or run "
+                           f"past the tensor's {numel} elements; the payload is corrupted")
     return torch.from_numpy(idx)

@@ -62,9 +62,127 @@ def weights_only(model_dir: Path, out: Path) -> Path:
     return out
 
 
+def raw_manifest(root: Path, version: int) -> dict:
+    """A published manifest as plain JSON (to inspect or to tamper with in tests)."""
+    import json
+    return json.loads((Path(root) / "versions" / f"v{version:08d}" / "manifest.json").read_bytes())
+
+
+def write_manifest(root: Path, version: int, manifest: dict) -> None:
+    import json
+    (Path(root) / "versions" / f"v{version:08d}" / "manifest.json").write_text(json.dumps(manifest))
+
+
 HOOK_CALLS: list[str] = []
 
 
 def record_hook(path: str) -> None:
     """A before_read/after_write hook for tests: records every path it is called with."""
     HOOK_CALLS.append(path)
+
+
+def small_model(seed: int = 0, n: int = 12) -> dict[str, torch.Tensor]:
+    """`n` small bf16 tensors (and one fp32), the shapes of a model's matrices and norms."""
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layers.{i}.w": torch.randn(48, 64, generator=g).to(torch.bfloat16) for i in range(n - 1)}
+    out["norm.weight"] = torch.randn(32, generator=g)
+    return out
+
+
+def next_version(state: dict[str, torch.Tensor], seed: int, density: float = 0.01
+                 ) -> dict[str, torch.Tensor]:
+    """`state` with about `density` of every tensor's elements changed (a trainer's step)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in state.items():
+        t = t.clone()
+        flat = t.view(-1)
+        k = max(1, int(density * flat.numel()))
+        idx = torch.randperm(flat.numel(), generator=g)[:k]
+        flat[idx] = flat[idx] + torch.randn(k, generator=g).to(t.dtype)
+        out[n] = t
+    return out
+
+
+def publish(root: Path, states: dict[int, dict[str, torch.Tensor]], keep_full: int = 100,
+            **enc) -> None:
+    """Publish `states` (version -> tensors) in order into `root`: the first full, then deltas."""
+    from weightsync import WeightSync
+    cfg = publish_config(root, **enc)
+    cfg["transport"]["options"]["keep_full"] = keep_full
+    with WeightSync.from_config(cfg) as sync:
+        for v, sd in sorted(states.items()):
+            assert sync.push(sd, version=v).ok
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return Path(root) / "versions" / f"v{version:08d}"
+
+
+def rewrite_shard(root: Path, version: int, file: str, data: bytes) -> None:
+    """Replace a shard's bytes and make the manifest's size and checksum match them, as a
+    publisher that corrupted them before hashing would."""
+    import xxhash
+    (version_dir(root, version) / file).write_bytes(data)
+    m = raw_manifest(root, version)
+    for s in m["shards"]:
+        if s["file"] == file:
+            s["bytes"], s["xxh3"] = len(data), xxhash.xxh3_128(data).hexdigest()
+    write_manifest(root, version, m)
+
+
+def shard_arrays(root: Path, version: int, file: str) -> dict[str, torch.Tensor]:
+    """The arrays of a published shard (copies)."""
+    from weightsync.wire import unpack
+    data = bytearray((version_dir(root, version) / file).read_bytes())
+    return {n: t.clone() for n, t in unpack(data)[0]}
+
+
+def set_shard_arrays(root: Path, version: int, file: str, arrays: dict[str, torch.Tensor]) -> None:
+    """Rewrite a shard from `arrays` (checksum fixed, see rewrite_shard)."""
+    from weightsync.wire import pack
+    body = pack(sorted(arrays.items()))
+    rewrite_shard(root, version, file, bytes(body.numpy()))
+
+
+def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    from weightsync.bucket import tensor_digest
+    return {n: tensor_digest(n, t) for n, t in state.items()}
+
+
+def whole_version(local: Path, states: dict[int, dict[str, torch.Tensor]]) -> int | None:
+    """The version the local checkpoint holds after recovery, checked bit for bit against the
+    published one (AssertionError when it is not one whole version)."""
+    from .local import LocalCheckpoint
+    lc = LocalCheckpoint(local)
+    with lc.locked():
+        v = lc.version
+        if v is None:
+            assert lc.data_dir() is None, "no version, but a data directory is linked"
+            return None
+        assert v in states, f"the local checkpoint holds version {v}, which was never published"
+        got = {n: t for n, t in lc.tensors().items()}
+        assert bit_equal(got, states[v]) == [], f"the local checkpoint is not whole version {v}"
+        assert lc.verify() == []
+        d = lc.data_dir()
+        assert d is not None and not [p.name for p in d.iterdir() if p.name.startswith(".")
+                                      or p.name == "journal"], "leftovers in the data directory"
+    return v
+
+
+KERNEL_PATHS = ["numba", "numba-python-hash", "numpy"]
+
+
+def use_kernel_path(path: str, monkeypatch: "pytest.MonkeyPatch") -> None:  # noqa: F821
+    """numba's kernels feeding the xxHash C state, numba's kernels hashing through Python in
+    chunks (where the xxhash package exports no C functions), or numpy/torch without numba."""
+    from . import hashing, kernels
+    monkeypatch.setattr(kernels, "JIT", path != "numpy")
+    if path == "numpy":
+        assert kernels.jit() is None
+    else:
+        assert kernels.jit() is not None, "numba is installed in the test environment"
+    if path == "numba-python-hash":
+        monkeypatch.setattr(hashing, "_loaded", True)
+        monkeypatch.setattr(hashing, "_lib", None)
+        assert hashing.Digest(b"").address is None

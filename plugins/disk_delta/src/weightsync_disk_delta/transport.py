@@ -2,6 +2,11 @@
 payload, each a safetensors file) plus `manifest.json`, written under a temporary name, flushed and
 renamed; then the `latest` pointer moves atomically. Rollout hosts pull (see agent.py).
 
+One publisher per root: the transport holds the root's lock (rootlock.py) from its first publish
+until it is closed, so a second trainer is refused instead of deleting this one's temporary
+directory. Temporary names carry host and pid. Under the lock, what crashed publishers left
+(`.tmp-*`, and `.trash-*` of retired versions) is removed.
+
 A failure at any point (unwritable root, full disk) removes the temporary directory and raises;
 `latest` and every published version stay as they were."""
 
@@ -11,7 +16,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -20,12 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from weightsync.bucket import tensor_digest
 from weightsync.errors import TransportError
 from weightsync.interfaces import Adapter, Payload, Transport
+from weightsync.signing import load_key
 from weightsync.wire import unpack
 
 from .encoding import FORMAT as DELTA_FORMAT
-from .layout import (LATEST, MANIFEST_FORMAT, VERSIONS, atomic_write, file_digest, fsync_dir,
-                     list_versions, load_hook, read_latest, read_manifest, version_dir_name,
-                     write_file)
+from .layout import (LATEST, MANIFEST_FORMAT, manifest_signature, VERSIONS, atomic_write, file_digest, fsync_dir,
+                     list_versions, load_hook, read_latest, read_manifest, unique_tag,
+                     version_dir_name, write_file)
+from .rootlock import LockHeld, PublisherLock
 
 
 class DiskDeltaOptions(BaseModel):
@@ -34,6 +40,9 @@ class DiskDeltaOptions(BaseModel):
     keep_full: int = Field(1, ge=1, description=(
         "full versions kept with their chains; older versions are deleted"))
     fsync: bool = Field(True, description="flush every file and directory before renaming")
+    hmac_key_file: str | None = Field(None, description=(
+        "sign every manifest with this shared key (also $WEIGHTSYNC_HMAC_KEY); agents holding "
+        "the key refuse unsigned or forged versions"))
     after_write: str | None = Field(None, description=(
         "'module:function' called with each path once it is written (object-store coherence)"))
 
@@ -50,6 +59,7 @@ class DiskDeltaTransport(Transport):
         self.root = Path(self.options.root)
         self._after_write = load_hook(self.options.after_write)
         self._tmp: Path | None = None
+        self._lock = PublisherLock(self.root)
         self._reset()
 
     def _reset(self) -> None:
@@ -64,17 +74,24 @@ class DiskDeltaTransport(Transport):
     def _fail(self, what: str, e: BaseException) -> TransportError:
         self._discard()
         detail = f"{e.strerror} ({e.filename})" if isinstance(e, OSError) and e.strerror else str(e)
-        latest = "nothing is published yet" if self._latest is None else \
-            f"`latest` still points at version {self._latest}, which is intact"
         hint = ""
         if isinstance(e, OSError) and e.errno == 28:
             hint = "; free space on that filesystem or lower `keep_full`"
         elif isinstance(e, OSError) and e.errno in (13, 30, 1):
             hint = "; make the root writable by this process or point `root` elsewhere"
         err = TransportError(f"disk_delta: {what} failed: {detail}; version {self._version} was not "
-                             f"published and {latest}{hint}")
+                             f"published and {self._latest_now()}{hint}")
         self._reset()
         return err
+
+    def _latest_now(self) -> str:
+        """What `latest` points at now (read again: the error must name what readers see)."""
+        try:
+            v = read_latest(self.root)
+        except Exception:  # noqa: BLE001 - a broken pointer is named as such
+            return f"{self.root / LATEST} cannot be read"
+        return "nothing is published yet" if v is None else \
+            f"`latest` still points at version {v}, which is intact"
 
     def _discard(self) -> None:
         if self._tmp is not None:
@@ -91,6 +108,12 @@ class DiskDeltaTransport(Transport):
         self._reset()
         self._version = version
         try:
+            self._lock.acquire()
+        except LockHeld as e:
+            raise TransportError(f"disk_delta: {e}; version {version} was not published") from None
+        except OSError as e:
+            raise self._fail(f"locking {self.root}", e) from None
+        try:
             self._latest = read_latest(self.root)
         except Exception as e:  # noqa: BLE001 - a corrupt pointer is overwritten by this publish
             self._latest = max(list_versions(self.root), default=None) if self.root.is_dir() else None
@@ -101,13 +124,22 @@ class DiskDeltaTransport(Transport):
                                  f"{self._latest} in {self.root}; push a higher version")
         try:
             (self.root / VERSIONS).mkdir(parents=True, exist_ok=True)
-            for stale in (self.root / VERSIONS).glob(".tmp-*"):   # a crashed publisher's leftovers
-                shutil.rmtree(stale, ignore_errors=True)
-            self._tmp = self.root / VERSIONS / f".tmp-{version_dir_name(version)}-{uuid.uuid4().hex[:8]}"
+            self._sweep()
+            self._tmp = self.root / VERSIONS / f".tmp-{version_dir_name(version)}-{unique_tag()}"
             self._tmp.mkdir()
         except OSError as e:
             raise self._fail(f"preparing {self.root}", e) from None
         return {}
+
+    def _sweep(self) -> None:
+        """Remove what crashed publishers left: temporary and retired directories (under the
+        lock, none of them belongs to a live publisher)."""
+        for stale in (self.root / VERSIONS).iterdir():
+            if stale.name.startswith((".tmp-", ".trash-")) and stale != self._tmp:
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
 
     def _entries(self, payload: Payload) -> tuple[str, int | None, dict[str, Any]]:
         """(kind, base version, per-tensor entries) of one payload."""
@@ -152,8 +184,7 @@ class DiskDeltaTransport(Transport):
         return {}
 
     def _check_base(self, base: int | None) -> None:
-        if self._latest is None or not any(read_manifest(self.root, v).get("kind") == "full"
-                                           for v in list_versions(self.root)):
+        if self._latest is None or not any(self._is_full(v) for v in list_versions(self.root)):
             self._discard()
             raise TransportError(
                 f"disk_delta: {self.root} holds no full version, so a host that joins could not "
@@ -167,6 +198,12 @@ class DiskDeltaTransport(Transport):
                 f"{self._latest} (base_checkpoint, base_version) or start it without one so its "
                 f"first version is full")
 
+    def _is_full(self, v: int) -> bool:
+        try:
+            return read_manifest(self.root, v).kind == "full"
+        except Exception:  # noqa: BLE001 - an unreadable version is no reader's base
+            return False
+
     def finish(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
         if self._tmp is None or self._version is None:
             raise TransportError("disk_delta: finish() without an open version")
@@ -179,6 +216,9 @@ class DiskDeltaTransport(Transport):
                     "encoding": self._encoding, "created": time.time(),
                     "wire_bytes": sum(s["bytes"] for s in self._shards),
                     "shards": self._shards, "tensors": self._tensors}
+        key = load_key(None, self.options.hmac_key_file)
+        if key is not None:
+            manifest["sig"] = manifest_signature(key, json.loads(json.dumps(manifest)))
         try:
             write_file(self._tmp / "manifest.json", json.dumps(manifest, indent=1).encode(),
                        self.options.fsync)
@@ -208,11 +248,8 @@ class DiskDeltaTransport(Transport):
         versions = list_versions(self.root)
         fulls = []
         for v in reversed(versions):
-            try:
-                if read_manifest(self.root, v)["kind"] == "full":
-                    fulls.append(v)
-            except Exception:  # noqa: BLE001 - an unreadable version is no reader's base
-                continue
+            if self._is_full(v):
+                fulls.append(v)
             if len(fulls) == self.options.keep_full:
                 break
         if len(fulls) < self.options.keep_full:
@@ -223,14 +260,19 @@ class DiskDeltaTransport(Transport):
             if v >= keep_from:
                 break
             d = self.root / VERSIONS / version_dir_name(v)
-            trash = self.root / VERSIONS / f".trash-{version_dir_name(v)}-{uuid.uuid4().hex[:8]}"
+            trash = self.root / VERSIONS / f".trash-{version_dir_name(v)}-{unique_tag()}"
             try:
                 os.rename(d, trash)      # readers see the version whole or not at all
                 shutil.rmtree(trash, ignore_errors=True)
                 gone.append(v)
             except OSError:
                 continue
+        try:
+            self._sweep()            # what rmtree could not remove now goes at the next publish
+        except OSError:
+            pass
         return gone
 
     def close(self) -> None:
         self._discard()
+        self._lock.release()
