@@ -1,9 +1,15 @@
 """Exporter `torch`: a module, a state dict or an iterator of (name, tensor) -> Buckets.
 
-Streams: at most one bucket is assembled at a time and tensors are referenced, not copied, so the
-exporter itself adds no memory beyond gathered DTensor shards of the bucket being built. A tensor
-larger than `bucket_bytes` travels alone in a bucket of its own (it is never split, so every engine
-can load it with one call)."""
+For a module or a state dict the exporter first plans (names, shapes, dtypes; `plan.py`), then
+streams the planned tensors one bucket at a time (`fetch.py`):
+- a transformers (>= 5) model goes out in its checkpoint layout, as `save_pretrained` writes it,
+  by transformers' own reverse conversion (`layout.py`; `checkpoint_layout: false` turns it off);
+- a PEFT model goes out merged under the base model's names (`lora.py`);
+- sharded (DTensor) weights reach the sending rank slice by slice, each from the rank holding it
+  (`gather.py`); every rank calls `buckets`, and only global rank 0 gets tensors.
+Tensors are referenced or sliced, not copied, wherever the model's own bytes are what is sent. A
+tensor larger than `bucket_bytes` travels alone in a bucket of its own (it is never split, so
+every engine can load it with one call). An iterator is streamed as it comes."""
 
 from __future__ import annotations
 
@@ -16,6 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..bucket import Bucket
 from ..config import ByteSize
 from ..interfaces import Exporter, NameMap
+from . import layout, lora
+from .fetch import stream
+from .names import check_names, checkpoint_names
+from .plan import Output, Plan, Source, identity, mapping_items, module_items, untie
 
 
 class TorchExporterOptions(BaseModel):
@@ -25,6 +35,15 @@ class TorchExporterOptions(BaseModel):
                                           description="regex -> replacement, applied in order")
     skip: list[str] = Field(default_factory=list, description="regexes of names not to send")
     include_buffers: bool = True
+    checkpoint_layout: bool = True
+    """transformers models: send the names, layout and split `save_pretrained` writes (what
+    engines load); false: the module's own state-dict names and layout."""
+    expect_names_from: str | None = None
+    """A model directory (or .safetensors / index file) with the engine's checkpoint: the export's
+    names must match it, checked before anything is sent."""
+    every_rank: bool = False
+    """Sharded models: every rank gets every tensor (each shard all-gathered to every rank) instead
+    of only rank 0, for code that consumes buckets on every rank. The pipeline sends from rank 0."""
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -33,7 +52,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) from a module (state dict order, persistent buffers too), a mapping or an
-    iterable; tied weights are yielded once, under the first name."""
+    iterable; tied weights are yielded once, under the first name. No checkpoint conversion."""
     if isinstance(model, torch.nn.Module):
         items: Iterable[tuple[str, torch.Tensor]] = model.state_dict(keep_vars=True).items()
     elif isinstance(model, Mapping):
@@ -63,24 +82,105 @@ class TorchExporter(Exporter):
     name = "torch"
     Options = TorchExporterOptions
 
-    def _mapped(self, model: Any, name_map: NameMap | None) -> Iterator[tuple[str, torch.Tensor]]:
+    # -- planning ----------------------------------------------------------------------------
+    def plan(self, model: Any) -> Plan | None:
+        """What `buckets(model)` will send (names, shapes, dtypes, where each comes from); None
+        for an iterator, which is streamed as it comes."""
+        o = self.options
+        hf = None
+        if isinstance(model, torch.nn.Module):
+            base = lora.base_model(model)
+            hf = layout.transformers_model(base) if o.checkpoint_layout else None
+            items = module_items(base, o.include_buffers)
+            if hf is not None:
+                ignored = layout.ignored_on_save(hf)
+                items = [(n, t) for n, t in items if n not in ignored]
+            keep = layout.tied_keeper(hf) if hf is not None else None
+            sources = lora.merged_sources(base, untie(items, keep))
+        elif isinstance(model, Mapping):
+            sources = [Source(n, t) for n, t in untie(mapping_items(model))]
+        else:
+            return None
+        if hf is not None:
+            outputs = layout.checkpoint_outputs(hf, sources)
+        else:
+            outputs = [identity(s) for s in sources]
+        return Plan(self._renamed(outputs), hf)
+
+    def _renamed(self, outputs: list[Output]) -> list[Output]:
         rename = [(re.compile(p), r) for p, r in self.options.rename]
         skip = [re.compile(p) for p in self.options.skip]
-        buffers = None
-        if isinstance(model, torch.nn.Module) and not self.options.include_buffers:
-            buffers = {n for n, _ in model.named_buffers()}
+        out = []
+        for x in outputs:
+            name = x.name
+            for pat, rep in rename:
+                name = pat.sub(rep, name)
+            if not any(p.search(name) for p in skip):
+                out.append(x if name == x.name else x.renamed(name))
+        return out
+
+    def names(self, plan: Plan, name_map: NameMap | None = None) -> list[str]:
+        """The names `plan` sends after `name_map` (run on meta tensors: no data is touched)."""
+        if name_map is None:
+            return [x.name for x in plan.outputs]
+        names = []
+        for x in plan.outputs:
+            meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+            names.extend(n for n, _ in name_map(x.name, meta))
+        return names
+
+    def check(self, model: Any, plan: Plan, name_map: NameMap | None) -> None:
+        """Refuse an export whose names are not the checkpoint's in `expect_names_from`."""
+        where = self.options.expect_names_from
+        assert where is not None
+        try:
+            sent = self.names(plan, name_map)
+        except Exception as e:  # noqa: BLE001 - a name map that needs real data
+            raise ValueError(f"expect_names_from needs the name_map to run on meta tensors "
+                             f"(shape and dtype only); it raised {type(e).__name__}: {e}") from e
+        expected = checkpoint_names(where)
+        check_names(sent, expected, where=str(where), hints=self._hints(model, sent, expected),
+                    skip=self.options.skip)
+
+    def _hints(self, model: Any, sent: list[str], expected: list[str]) -> list[str]:
+        """Which `checkpoint_layout` setting would have matched, when the other one does."""
+        base = lora.base_model(model) if isinstance(model, torch.nn.Module) else None
+        if base is None or layout.transformers_model(base) is None:
+            return []
+        flip = self.options.model_copy(update={
+            "checkpoint_layout": not self.options.checkpoint_layout, "expect_names_from": None})
+        other = type(self)(flip).plan(model)
+        if other is not None and set(x.name for x in other.outputs) == set(expected):
+            value = str(flip.checkpoint_layout).lower()
+            why = ("the engine loads the checkpoint layout save_pretrained writes"
+                   if flip.checkpoint_layout else
+                   "the engine holds transformers' in-memory layout, not the checkpoint's")
+            return [f"set the exporter option checkpoint_layout: {value} ({why})"]
+        return []
+
+    # -- streaming ---------------------------------------------------------------------------
+    def _legacy(self, model: Any, name_map: NameMap | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """An iterator: renamed, skipped and name-mapped as it comes (DTensors all-gathered)."""
+        rename = [(re.compile(p), r) for p, r in self.options.rename]
+        skip = [re.compile(p) for p in self.options.skip]
         for name, t in named_tensors(model):
-            if buffers and name in buffers:
-                continue
             if _is_dtensor(t):
                 t = t.full_tensor()  # collective: every rank of the mesh runs the same loop
             for pat, rep in rename:
                 name = pat.sub(rep, name)
             if any(p.search(name) for p in skip):
                 continue
-            pairs = name_map(name, t) if name_map else ((name, t),)
-            for n, x in pairs:
-                yield n, x
+            yield from (name_map(name, t) if name_map else ((name, t),))
+
+    def _mapped(self, model: Any, name_map: NameMap | None) -> Iterator[tuple[str, torch.Tensor]]:
+        plan = self.plan(model)
+        if plan is None:
+            yield from self._legacy(model, name_map)
+            return
+        if self.options.expect_names_from:
+            self.check(model, plan, name_map)
+        for name, t in stream(plan, self.options.bucket_bytes, self.options.every_rank):
+            yield from (name_map(name, t) if name_map else ((name, t),))
 
     def buckets(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
         limit = self.options.bucket_bytes

@@ -49,3 +49,68 @@ def greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
             logits = model(torch.tensor([ids + out])).logits
             out.append(int(logits[0, -1].argmax()))
     return out
+
+
+# -- MoE models and deterministic (sharded) values, for the export tests -----------------------
+
+def tiny_moe_config(arch: Literal["qwen3_moe", "mixtral"] = "qwen3_moe", *, vocab: int = 1024,
+                    hidden: int = 64, moe_intermediate: int = 32, experts: int = 4, top_k: int = 2,
+                    layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
+                    dtype: str = "float32"):  # noqa: ANN201
+    """A tiny Qwen3-MoE or Mixtral config (transformers holds their experts fused)."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  num_experts_per_tok=top_k, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(intermediate_size=2 * moe_intermediate,
+                             moe_intermediate_size=moe_intermediate, num_experts=experts,
+                             head_dim=head_dim or hidden // heads, decoder_sparse_step=1,
+                             mlp_only_layers=[], **common)
+    else:
+        cfg = MixtralConfig(intermediate_size=moe_intermediate, num_local_experts=experts,
+                            head_dim=head_dim or hidden // heads, **common)
+    cfg.dtype = dtype
+    return cfg
+
+
+def row_values(name: str, shape: tuple[int, ...], rows: range, dtype: torch.dtype,
+               seed: int = 0, scale: float = 0.02) -> torch.Tensor:
+    """Rows `rows` of a deterministic tensor called `name`: each element is an integer hash of
+    (seed, name, its flat index), so each rank of a sharded test model fills just its own rows
+    and a checker rebuilds the whole, bit for bit (integer arithmetic: no rounding differences)."""
+    import zlib
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    key = zlib.crc32(f"{seed}:{name}".encode())
+    h = torch.arange(rows.start * n, rows.stop * n, dtype=torch.int64)
+    h = ((h * 2654435761 + key) >> 16) & 0xFFFF          # Knuth's multiplicative hash, 16 bits
+    v = (h.to(torch.float32) / 2**16 - 0.5) * (2 * scale)
+    return v.to(dtype).reshape(len(rows), *shape[1:])
+
+
+@torch.no_grad()
+def fill_deterministic(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Set every parameter and persistent buffer from `row_values`, writing only the rows this
+    rank holds for a DTensor (any rows-sharded or replicated layout): the same full values on
+    one process or sharded over many, with no full copy on any rank."""
+    for name, t in model.state_dict(keep_vars=True).items():
+        if type(t).__name__ == "DTensor":
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                  t.placements)
+            local = t._local_tensor  # noqa: SLF001
+            if t.ndim == 0:
+                local.copy_(row_values(name, (1,), range(1), t.dtype, seed).reshape(()))
+                continue
+            if any(o for o in offset[1:]) or tuple(shape[1:]) != tuple(t.shape[1:]):
+                raise ValueError(f"{name}: only row-sharded or replicated DTensors are filled")
+            rows = range(offset[0], offset[0] + shape[0])
+            local.copy_(row_values(name, tuple(t.shape), rows, t.dtype, seed))
+        elif t.ndim == 0:
+            t.detach().copy_(row_values(name, (1,), range(1), t.dtype, seed).reshape(()))
+        else:
+            t.detach().copy_(row_values(name, tuple(t.shape), range(t.shape[0]), t.dtype, seed))
+    return model
