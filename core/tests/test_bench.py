@@ -12,10 +12,19 @@ import torch
 from weightsync.bench import PeakRss, run_bench, table
 from weightsync.bench_model import model_bytes, plan_shapes, small_tensors_model, synthetic_model
 
-ROWS = ["memcpy floor", "safetensors save+load (naive)", "gloo broadcast per tensor (naive)",
-        "gloo broadcast per tensor (small tensors)", "gloo broadcast, 1 tensor (raw)",
-        "gloo broadcast, 1 tensor (raw, 1 receiver)", "collective", "collective (1 receiver)",
-        "collective (small tensors)", "http", "shm"]
+ROWS = ["memcpy floor", "shm floor (3 copies)", "memcpy (1 core)", "xxh3 + copy, one pass (1 core)",
+        "xxh3 pass over memory (1 core)", "http floor (raw TCP)", "safetensors save+load (naive)",
+        "gloo broadcast, 1 tensor (raw)", "gloo broadcast, 1 tensor (raw, 1 receiver)",
+        "gloo broadcast per tensor (naive)", "gloo broadcast per tensor (small tensors)",
+        "gloo broadcast per tensor (MoE)", "collective", "collective (1 receiver)",
+        "collective (small tensors)", "http", "shm", "delta 1% over http", "delta 1% over shm",
+        "collective (verify off)", "http (verify off)", "shm (verify off)", "collective (MoE)",
+        "shm (MoE)", "full safetensors checkpoint (save+fsync+load)",
+        "disk_delta 1% (publish+pull+apply)"]
+FLOORS = {"shm": "shm floor (3 copies)", "http": "http floor (raw TCP)",
+          "collective": "gloo broadcast, 1 tensor (raw)"}
+TARGETS = {"collective_vs_per_tensor_llm", "collective_1rx_vs_raw_gloo_1rx", "collective_vs_per_tensor_small",
+           "shm_vs_floor", "http_vs_floor", "verification_cost", "sender_peak_extra_in_buckets"}
 
 
 def test_synthetic_model_has_llm_shapes_and_size() -> None:
@@ -47,14 +56,62 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     result = json.loads(out.read_text())
     names = [r["name"] for r in result["rows"]]
     assert names == ROWS
+    rows = {r["name"]: r for r in result["rows"]}
     for r in result["rows"]:
-        assert r["seconds"] > 0 and r["gbps"] > 0 and r["ratio_to_floor"] > 0, r
+        assert r["seconds"] > 0 and r["gbps"] > 0 and r["ratio_to_memcpy"] > 0, r
         assert r["peak_extra_bytes"] >= 0
-        assert r["receivers"] == (1 if "1 receiver" in r["name"] or r["kind"] == "floor" else 2)
+        one = "1 receiver" in r["name"] or r["name"] in ("memcpy floor",) or "disk_delta" in r["name"] \
+            or r["name"].startswith("full safetensors") or r["kind"] == "reference"
+        assert r["receivers"] == (1 if one else 2), r["name"]
+        if r["kind"] == "transport":                 # every push: its pause window, its own floor
+            if "disk_delta" not in r["name"]:
+                assert 0 <= r["pause_window_s"] <= r["seconds"] and r["pause_pct_of_push"] >= 0
+            kind = r["detail"]["transport"]
+            if kind in FLOORS and r["detail"].get("encoding") != "delta":
+                floor = FLOORS[kind] if "1 receiver" not in r["name"] \
+                    else "gloo broadcast, 1 tensor (raw, 1 receiver)"
+                assert r["floor"] == floor and r["ratio_to_floor"] > 0
+                assert r["detail"]["verify"] == ("verify off" not in r["name"])
     floor = result["rows"][0]
-    assert floor["ratio_to_floor"] == 1.0 and abs(floor["bytes"] - 4 * 2**20) < 2**20
-    assert set(result["targets"]) >= {"shm_vs_floor", "collective_1rx_vs_raw_gloo_1rx",
-                                      "collective_vs_per_tensor_small", "sender_peak_extra_in_buckets"}
+    assert floor["ratio_to_memcpy"] == 1.0 and abs(floor["bytes"] - 4 * 2**20) < 2**20
+    assert rows["shm floor (3 copies)"]["seconds"] == pytest.approx(3 * floor["seconds"])
+    for t in ("http", "shm"):                          # delta rows: wire bytes and time against raw
+        d = rows[f"delta 1% over {t}"]["detail"]
+        assert d["raw_row"] == t and 0 < d["wire_vs_raw"] < 0.2 and d["seconds_vs_raw"] > 0
+        assert 0.005 < d["density"] < 0.02
+    dd = rows["disk_delta 1% (publish+pull+apply)"]["detail"]
+    assert dd["speedup_vs_full"] > 0 and dd["wire_vs_full"] < 0.2
+    targets = result["targets"]
+    assert set(targets) >= TARGETS
+    for k in TARGETS:
+        assert targets[k]["met"] in (True, False) and targets[k]["target"] is not None, k
+    assert set(targets["verification_cost"]["value"]) == {"collective", "http", "shm"}
+    assert targets["collective_vs_per_tensor_llm"]["floor"] > 0
+    assert len(result["verdicts"]) >= len(TARGETS)
+    assert all(v.startswith(("MET", "MISSED")) for v in result["verdicts"])
+    assert result["copy_digest_path"] in ("numba", "ctypes", "two-pass")
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert table(result).splitlines()[0] in printed and "shm_vs_floor" in printed
+    assert table(result).splitlines()[0] in printed and "shm_vs_floor" in printed and "verdicts:" in printed
+
+
+def test_perturbed_changes_about_the_density_asked(tmp_path: Path) -> None:
+    from weightsync.bench import perturbed
+    sd = synthetic_model(4 * 2**20)
+    new = perturbed(sd, 0.01, seed=1)
+    changed = sum(int((new[n].view(torch.int16) != sd[n].view(torch.int16)).sum()) for n in sd)
+    total = sum(t.numel() for t in sd.values())
+    assert 0.007 < changed / total < 0.011
+    assert all(new[n].shape == sd[n].shape and new[n].dtype == sd[n].dtype for n in sd)
+
+
+def test_verify_off_instrument_copies_without_hashing_and_restores() -> None:
+    from weightsync import hashing
+    from weightsync.bench_workers import UNHASHED, unhashed
+    src = torch.arange(1000, dtype=torch.int32)
+    dst = torch.zeros_like(src)
+    real = hashing.copy_digest
+    with unhashed():
+        assert hashing.copy_digest(dst, src, b"h") == UNHASHED and torch.equal(dst, src)
+        assert hashing.Digest(b"h").hexdigest() == UNHASHED
+    assert hashing.copy_digest is real and hashing.Digest(b"").address is not None

@@ -68,7 +68,7 @@ def test_double_buffered_alloc_waits_for_release() -> None:
         tr.open([eng], 1)
         p0 = _payload(0, 1, tr.alloc)
         p1 = _payload(1, 2, tr.alloc)                 # the second buffer: no wait
-        sent0 = bytes(p0.body.numpy())
+        sent0, sent1 = bytes(p0.body.numpy()), bytes(p1.body.numpy())
         assert tr.send(p0, [eng]) == {}
         assert tr.send(p1, [eng]) == {}
         got: list[Any] = []
@@ -81,7 +81,9 @@ def test_double_buffered_alloc_waits_for_release() -> None:
         assert not th.is_alive() and got
         assert got[0].body.data_ptr() == p0.body.data_ptr()   # the same buffer, reused
         assert tr.finish([eng]) == {}
-        assert eng.seen[0] == sent0                   # the engine read exactly bucket 0's bytes
+        # the engine read exactly buckets 0 and 1 (its two announces run concurrently, in any
+        # order), not bucket 2's bytes written into the reused buffer
+        assert sorted(eng.seen) == sorted([sent0, sent1])
         assert len(set(tr.segment_names())) == 2
     finally:
         eng.gate.set()
@@ -113,7 +115,7 @@ def test_receiver_rejects_foreign_names_and_bad_offsets() -> None:
         buf = tr.alloc(64)
         name = tr.segment_names()[0]
         with pytest.raises(PayloadError, match="exceeds segment"):
-            rx.receive({"nbytes": 64, "transport": {"segment": name, "offset": 32, "nbytes": 64}}, None)
+            rx.receive({"nbytes": 64, "transport": {"segment": name, "offset": 80, "nbytes": 64}}, None)
         buf[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
         view = rx.receive({"nbytes": 4, "transport": {"segment": name, "offset": 0, "nbytes": 4}}, None)
         assert view.tolist() == [1, 2, 3, 4]
@@ -151,7 +153,7 @@ _SENDER = textwrap.dedent("""
     ShmTransport.send = slow_send
     cfg = {"transport": {"kind": "shm", "options": {"device": "cpu"}}, "adapter": "reference",
            "engines": [{"url": sys.argv[1], "name": "e"}],
-           "exporter": {"kind": "torch", "options": {"bucket_bytes": 2048}}}
+           "exporter": {"kind": "torch", "options": {"bucket_bytes": 2048}}, "sync": {"lease": 1.5}}
     sd = {k: (v + 1 if v.is_floating_point() else v) for k, v in sample_state_dict().items()}
     with WeightSync.from_config(cfg) as sync:
         sync.push(sd, version=1)
@@ -181,6 +183,9 @@ def test_sender_killed_mid_sync_leaves_no_segments(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert _segments(p.pid) == [], "segments of the killed sender leaked"
         assert e.health()["version"] == 0            # the half-done sync was never committed
+        while e.health()["round"] is not None and time.monotonic() < deadline:
+            time.sleep(0.1)                           # the dead trainer's round lease lapses
+        assert e.health()["round"] is None
         # the engine takes the next trainer's sync as if nothing happened
         cfg = {"transport": {"kind": "shm", "options": {"device": "cpu"}}, "adapter": "reference",
                "engines": [e.spec()], "exporter": {"kind": "torch", "options": {"bucket_bytes": 2048}}}

@@ -45,6 +45,12 @@ def _body_with_header(header: dict, data: bytes) -> bytes:
     ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "do not match"),
     ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, b"\0" * 16, "do not match"),
     ({"x": {"dtype": "XX", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "malformed"),
+    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [False, 8]}}, b"\0" * 8, "must be integers"),
+    ({"x": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, b"\0" * 8, "must be integers"),
+    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 9]}}, b"\0" * 8, "must be integers"),
+    ({"x": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}}, b"\0" * 8, "negative dimension"),
+    ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": [1]}, b"\0" * 8,
+     "__metadata__ is not an object"),
 ])
 def test_bad_headers_are_refused(header, data, msg):
     with pytest.raises(PayloadError, match=msg):
@@ -58,6 +64,8 @@ def test_truncated_and_garbage_bodies():
         unpack(struct.pack("<Q", 10**6) + b"{}")
     with pytest.raises(PayloadError, match="not valid JSON"):
         unpack(struct.pack("<Q", 3) + b"{x}")
+    with pytest.raises(PayloadError, match="JSON list, not an object"):
+        unpack(struct.pack("<Q", 2) + b"[]")
 
 
 def test_frame_round_trip():

@@ -1,14 +1,26 @@
-"""Receiver processes for the bench's naive baselines: each holds preallocated weights (as an
-engine would) and, on command from the trainer, loads a safetensors checkpoint into them or
-receives torch.distributed gloo broadcasts (one per tensor, or one single tensor).
+"""Receiver processes for the bench's naive baselines and floors: each holds preallocated weights
+(as an engine would) and, on command from the trainer, loads a safetensors checkpoint into them,
+receives torch.distributed gloo broadcasts (one per tensor, or one single tensor) or reads a raw
+TCP stream of the model's bytes into warm memory.
 
 The commands travel over a multiprocessing Pipe between the bench and its own child processes
-(same host, same user): plain tuples of strings, ints and lists."""
+(same host, same user): plain tuples of strings, ints and lists.
+
+Also here: the bench's "verify off" instrument (`unhashed`), which replaces the one-pass copy +
+digest by a plain copy in the bench process and, through a `sitecustomize` on PYTHONPATH, in the
+engine processes started for those rows only. A process under it reports a fixed digest for every
+tensor, so it can never pass verification against a normal peer: a bench tool, nothing else."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
+import os
+import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +36,7 @@ def _worker(conn: Any, rank: int) -> None:
     groups: dict[str, Any] = {}
     weights: dict[str, torch.Tensor] = {}
     flat: dict[int, torch.Tensor] = {}
+    sock: socket.socket | None = None
     while True:
         cmd, arg = conn.recv()
         try:
@@ -49,6 +62,23 @@ def _worker(conn: Any, rank: int) -> None:
                 if buf is None:
                     buf = flat[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
                 pgs.broadcast(groups[key], buf, 600)
+                out = None
+            elif cmd == "tcp_connect":  # arg: (address, port, nbytes): the raw TCP floor
+                addr, port, nbytes = arg
+                sock = socket.create_connection((addr, port))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if nbytes not in flat:
+                    flat[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
+                out = None
+            elif cmd == "tcp_recv":    # arg: nbytes, read into warm memory
+                assert sock is not None
+                view = memoryview(flat[arg].numpy())
+                got = 0
+                while got < arg:
+                    k = sock.recv_into(view[got:], min(arg - got, 1 << 24))
+                    if not k:
+                        raise ConnectionError(f"stream ended after {got} of {arg} bytes")
+                    got += k
                 out = None
             elif cmd == "load":        # arg: checkpoint path; copy into the live weights
                 t0 = time.perf_counter()
@@ -107,3 +137,71 @@ class Workers:
                 pass
             if p.is_alive():
                 p.kill()
+
+
+# -- the "verify off" instrument ----------------------------------------------------------------
+UNHASHED = "0" * 32
+
+
+def _copy_only(dst: torch.Tensor, src: torch.Tensor, header: bytes, source: bool = False) -> str:
+    """`hashing.copy_digest` without the digest: the same one-pass copy (memmove, no GIL)."""
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy of {src.numel()} elements into a tensor of {dst.numel()}")
+    n = dst.numel() * dst.element_size()
+    if n and dst.dtype == src.dtype and dst.device.type == src.device.type == "cpu" \
+            and dst.is_contiguous() and src.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+    elif n:
+        dst.copy_(src)
+    return UNHASHED
+
+
+class _NoDigest:
+    """`hashing.Digest` that hashes nothing (the streamed receive of `receiver.read_staged`)."""
+
+    address = None
+
+    def __init__(self, header: bytes, native: bool = True) -> None:
+        pass
+
+    def update(self, data: Any) -> None:
+        pass
+
+    def update_at(self, address: int, nbytes: int) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return UNHASHED
+
+
+def unhash() -> None:
+    """From now on this process copies without hashing and reports a fixed digest."""
+    from . import hashing
+    hashing.copy_digest = _copy_only
+    hashing.Digest = _NoDigest  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def unhashed(on: bool = True) -> Iterator[None]:
+    """The bench process without digests, for the duration (the sender side of a verify-off row)."""
+    from . import hashing
+    real = hashing.copy_digest, hashing.Digest
+    if on:
+        unhash()
+    try:
+        yield
+    finally:
+        hashing.copy_digest, hashing.Digest = real
+
+
+def unhashed_env(work: Path) -> dict[str, str]:
+    """Environment for engine processes that run without digests (the receiving side of a
+    verify-off row): a `sitecustomize` on PYTHONPATH applies `unhash()` at start."""
+    d = Path(work) / "unhashed-site"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sitecustomize.py").write_text(
+        "# weightsync bench: engines of the verify-off rows copy without hashing\n"
+        "from weightsync.bench_workers import unhash\n"
+        "unhash()\n")
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(d) + (os.pathsep + path if path else "")}

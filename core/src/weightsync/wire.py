@@ -49,7 +49,9 @@ def safetensors_layout(named: Sequence[tuple[str, torch.Tensor]], metadata: dict
         placed.append((name, t, off, dt))
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)          # data section starts 8-byte aligned
+    # the data section starts 64-byte aligned: with a cache-line aligned buffer every tensor whose
+    # size is a multiple of 64 bytes (most) sits on cache lines, so copies never split a load
+    raw += b" " * (-(8 + len(raw)) % 64)
     return struct.pack("<Q", len(raw)) + raw, placed
 
 
@@ -76,6 +78,36 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | N
     return out
 
 
+def pack_digest(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None,
+                metadata: dict[str, str] | None = None,
+                layout: tuple[bytes, list[tuple[str, torch.Tensor, int, torch.dtype]]] | None = None
+                ) -> tuple[torch.Tensor, dict[str, str]]:
+    """`pack` and every tensor's xxh3-128 digest (`tensor_digest` of the packed tensor) in one
+    pass over the bytes: each chunk of a tensor is hashed while it is in cache and copied into
+    the buffer right after (`weightsync.hashing.copy_digest`, source mode: the trainer does not
+    change its weights during a push; if it did, every receiver's digest of what it got would
+    differ from these and the sync would fail), the bucket's tensors spread over the cores.
+    `layout`: `safetensors_layout(named, metadata)` when the caller computed it already."""
+    from .bucket import tensor_header
+    from .hashing import copy_digest_many
+    head, placed = layout if layout is not None else safetensors_layout(named, metadata)
+    total = len(head) + sum(t.numel() * _itemsize(dt) for _, t, _, dt in placed)
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8)
+    elif out.numel() < total:
+        raise ValueError(f"buffer of {out.numel()} bytes is smaller than the payload ({total})")
+    out = out[:total]
+    out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    base = len(head)
+    jobs = []
+    for name, t, off, dt in placed:
+        n = t.numel() * _itemsize(dt)
+        dst = out[base + off: base + off + n].view(dt).view(t.shape) if n else torch.empty(t.shape, dtype=dt)
+        jobs.append((dst, t.detach(), tensor_header(name, t)))
+    digests = copy_digest_many(jobs, source=True)    # the sender's own tensors: no other writer
+    return out, {name: d for (name, _, _, _), d in zip(placed, digests)}
+
+
 def packed_size(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
                 cast: torch.dtype | None = None) -> int:
     head, placed = safetensors_layout(named, metadata, cast)
@@ -93,8 +125,66 @@ def read_header(buf: torch.Tensor) -> tuple[int, dict[str, Any], dict[str, str]]
         header = json.loads(bytes(buf[8: 8 + hlen].cpu().numpy()))
     except ValueError as e:
         raise PayloadError(f"payload header is not valid JSON ({e}); the payload is corrupted") from None
+    if not isinstance(header, dict):
+        raise PayloadError(f"payload header is a JSON {type(header).__name__}, not an object; "
+                           f"the payload is corrupted")
     meta = header.pop("__metadata__", {}) or {}
+    if not isinstance(meta, dict):
+        raise PayloadError("payload header's __metadata__ is not an object; the payload is corrupted")
     return 8 + hlen, header, meta
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def header_entries(header: dict[str, Any], data_bytes: int) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """(name, dtype, shape, start, end) of every tensor in a parsed safetensors header (no
+    __metadata__), each checked: a known dtype, offsets inside a `data_bytes` data section that
+    match the shape."""
+    out = []
+    for name, info in header.items():
+        try:
+            dtype = dtype_from_name(_ST_NAMES[info["dtype"]])
+            shape, offsets = list(info["shape"]), list(info["data_offsets"])
+            if len(offsets) != 2 or not all(_is_int(x) for x in shape + offsets):
+                raise ValueError(f"shape {shape} and data_offsets {offsets} must be integers")
+            start, end = offsets
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PayloadError(f"tensor {name!r}: malformed header entry ({e})") from None
+        numel = 1
+        for d in shape:
+            if d < 0:
+                raise PayloadError(f"tensor {name!r}: negative dimension in shape {shape}")
+            numel *= d
+        if not (0 <= start <= end <= data_bytes) or end - start != numel * dtype.itemsize:
+            raise PayloadError(f"tensor {name!r}: data offsets {start}..{end} do not match "
+                               f"shape {shape} {dtype_name(dtype)} in a {data_bytes}-byte body")
+        out.append((name, dtype, shape, start, end))
+    return out
+
+
+def parse_header(raw: bytes | memoryview, total: int) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], dict[str, str]]:
+    """The entries and __metadata__ of a safetensors JSON header `raw` of a `total`-byte payload
+    (its 8-byte length prefix included in `total`)."""
+    try:
+        header = json.loads(bytes(raw))
+    except ValueError as e:
+        raise PayloadError(f"payload header is not valid JSON ({e}); the payload is corrupted") from None
+    if not isinstance(header, dict):
+        raise PayloadError("payload header is not a JSON object; the payload is corrupted")
+    meta = header.pop("__metadata__", {}) or {}
+    return header_entries(header, total - 8 - len(raw)), meta
+
+
+def header_length(prefix: bytes | memoryview, total: int) -> int:
+    """The JSON header length from a payload's first 8 bytes, checked against its size."""
+    if len(prefix) < 8:
+        raise PayloadError("payload is truncated: shorter than the 8-byte safetensors header length")
+    (hlen,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if hlen > _MAX_HEADER or 8 + hlen > total:
+        raise PayloadError(f"payload header length {hlen} does not fit a {total}-byte payload")
+    return hlen
 
 
 def unpack(buf: torch.Tensor | bytes | memoryview | bytearray) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
@@ -104,22 +194,10 @@ def unpack(buf: torch.Tensor | bytes | memoryview | bytearray) -> tuple[list[tup
     start, header, meta = read_header(buf)
     data = buf[start:]
     out = []
-    for name, info in header.items():
-        try:
-            dtype = dtype_from_name(_ST_NAMES[info["dtype"]])
-            shape = [int(d) for d in info["shape"]]
-            start, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise PayloadError(f"tensor {name!r}: malformed header entry ({e})") from None
-        itemsize = dtype.itemsize
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not (0 <= start <= end <= data.numel()) or end - start != numel * itemsize:
-            raise PayloadError(f"tensor {name!r}: data offsets {start}..{end} do not match "
-                               f"shape {shape} {dtype_name(dtype)} in a {data.numel()}-byte body")
-        view = data[start:end]
-        if numel and (view.data_ptr() % itemsize):
+    for name, dtype, shape, a, b in header_entries(header, data.numel()):
+        numel = (b - a) // dtype.itemsize
+        view = data[a:b]
+        if numel and (view.data_ptr() % dtype.itemsize):
             view = view.clone()
         out.append((name, view.view(dtype).reshape(shape) if numel
                     else torch.empty(shape, dtype=dtype, device=buf.device)))
@@ -132,6 +210,33 @@ def frame(header: dict[str, Any], body: torch.Tensor | bytes | memoryview) -> li
     if isinstance(body, torch.Tensor):
         body = memoryview(body.numpy()) if body.numel() else b""
     return [struct.pack("<Q", len(raw)), raw, body]
+
+
+def read_frame_header(read_into: Any, total: int) -> tuple[dict[str, Any], int]:
+    """The JSON payload header of a frame that is still arriving (`read_into(view)` fills the
+    start of `view`, returns the count: a socket's `recv_into`, a reader's `readinto`) and how
+    many body bytes follow it, reading nothing of the body (`ReceiveSession.apply_stream`)."""
+    def exact(n: int) -> bytes:
+        buf = memoryview(bytearray(n))
+        got = 0
+        while got < n:
+            k = read_into(buf[got:])
+            if not k:
+                raise PayloadError(f"frame is truncated: it ended after {got} of {n} header bytes")
+            got += k
+        return bytes(buf)
+    if total < 8:
+        raise PayloadError("frame is truncated: no header length")
+    (hlen,) = struct.unpack("<Q", exact(8))
+    if hlen > _MAX_HEADER or 8 + hlen > total:
+        raise PayloadError(f"frame header length {hlen} does not fit a {total}-byte frame")
+    try:
+        header = json.loads(exact(hlen))
+    except ValueError as e:
+        raise PayloadError(f"frame header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise PayloadError("frame header is not a JSON object")
+    return header, total - 8 - hlen
 
 
 def unframe(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:

@@ -23,6 +23,7 @@ class CastEncoding(Encoding):
     name = "cast"
     Options = CastOptions
     lossless = False
+    streams = True      # the wire form is the target tensors in safetensors layout (apply_stream)
 
     def encode(self, bucket: Bucket, alloc: Alloc | None = None) -> Payload:
         return pack_bucket(self.name, bucket, alloc, cast=dtype_from_name(self.options.dtype))

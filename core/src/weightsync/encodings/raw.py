@@ -6,9 +6,9 @@ from typing import Callable
 
 import torch
 
-from ..bucket import Bucket
+from ..bucket import Bucket, combine_digests
 from ..interfaces import Alloc, Encoding, Payload
-from ..wire import pack, packed_size, unpack
+from ..wire import pack, pack_digest, safetensors_layout, unpack
 
 
 def pack_bucket(name: str, bucket: Bucket, alloc: Alloc | None = None,
@@ -16,7 +16,15 @@ def pack_bucket(name: str, bucket: Bucket, alloc: Alloc | None = None,
     """Shared by encodings whose wire form is the target tensors themselves. With `alloc` the
     bytes are written straight into the transport's buffer (shared memory, pinned memory). The
     digest is taken over the packed tensors, i.e. exactly what the engine must end with."""
-    out = alloc(packed_size(bucket.tensors, cast=cast)) if alloc is not None else None
+    layout = safetensors_layout(bucket.tensors, cast=cast)
+    size = len(layout[0]) + sum(t.numel() * dt.itemsize for _, t, _, dt in layout[1])
+    out = alloc(size) if alloc is not None else None
+    if cast is None and (out is None or out.device.type == "cpu"):
+        # one pass: each tensor is hashed while it is written into the buffer
+        body, digests = pack_digest(bucket.tensors, out=out, layout=layout)
+        digest = combine_digests([digests[n] for n in bucket.names])
+        bucket._digest = digest
+        return Payload(bucket.index, bucket.last, name, digest, bucket.specs(), body)
     body = pack(bucket.tensors, out=out, cast=cast)
     views = dict(unpack(body)[0])
     target = bucket.with_tensors([(n, views[n]) for n in bucket.names])
@@ -32,6 +40,7 @@ def unpack_payload(payload: Payload) -> list[tuple[str, torch.Tensor]]:
 
 class RawEncoding(Encoding):
     name = "raw"
+    streams = True      # the wire form is the target tensors in safetensors layout (apply_stream)
 
     def encode(self, bucket: Bucket, alloc: Alloc | None = None) -> Payload:
         return pack_bucket(self.name, bucket, alloc)

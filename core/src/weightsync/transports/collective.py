@@ -124,6 +124,8 @@ class CollectiveReceiver(TransportReceiver):
     """Joins the trainer's group (per process: the group outlives one update round, because a
     new round does not rebuild it) and receives one broadcast per announce."""
 
+    private = True      # a broadcast lands in this process's own receive buffers
+
     def __init__(self, options: BaseModel) -> None:
         super().__init__(options)
         self._lent: dict[tuple[Any, int], torch.Tensor] = {}
@@ -214,24 +216,27 @@ class _Piece:
 
 @dataclass
 class _Call:
-    """An engine call running on its own thread."""
+    """An engine call running on its own thread; `wake` is set if it fails."""
 
     thread: threading.Thread
     error: list[BaseException] = field(default_factory=list)
+    wake: threading.Event | None = None
 
     def done(self, timeout: float | None = None) -> bool:
         self.thread.join(timeout)
         return not self.thread.is_alive()
 
 
-def _spawn(fn: Any, *args: Any) -> _Call:
-    call = _Call(threading.Thread(target=lambda: None))
+def _spawn(fn: Any, *args: Any, wake: threading.Event | None = None) -> _Call:
+    call = _Call(threading.Thread(target=lambda: None), wake=wake)
 
     def run() -> None:
         try:
             fn(*args)
         except BaseException as e:  # noqa: BLE001 - collected by the caller
             call.error.append(e)
+            if call.wake is not None:
+                call.wake.set()
 
     call.thread = threading.Thread(target=run, daemon=True, name="ws-collective")
     call.thread.start()
@@ -439,12 +444,14 @@ class CollectiveTransport(Transport):
                 fails[name] = c.error[0]
         return fails
 
-    def _drain(self) -> dict[str, BaseException]:
+    def _drain(self, keep: int = 0) -> dict[str, BaseException]:
+        """Wait for the announces of every broadcast but the last `keep`; their failures."""
         fails: dict[str, BaseException] = {}
-        for calls, _ in self.pending:
+        cut = max(0, len(self.pending) - keep)
+        done, self.pending = self.pending[:cut], self.pending[cut:]
+        for calls, _ in done:
             for name, err in self._collect(calls, self.options.timeout).items():
                 fails.setdefault(name, err)
-        self.pending.clear()
         return fails
 
     def _alive(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
@@ -470,7 +477,10 @@ class CollectiveTransport(Transport):
         failures: dict[str, BaseException] = {}
         layout = self._layout(engines)
         engines = list(engines)
-        pieces = split_payload(payload.body, layout)
+        # weightsync's receivers take the whole body and read its own header: nothing to parse
+        # or to repeat in the announce (the payload header lists the tensors already)
+        pieces = ([(payload.body, "uint8", None)] if layout == "safetensors"
+                  else split_payload(payload.body, layout))
         k = 0
         attempts = 0
         while k < len(pieces) and engines:
@@ -480,17 +490,23 @@ class CollectiveTransport(Transport):
             if not engines or self.group is None:
                 break
             tensor, dtype, specs = pieces[k]
-            if not all(a.ordered_announces for a in engines):
-                # an engine that serves announces in arrival order must see k done before k+1
-                for name, err in self._drain().items():
-                    failures.setdefault(name, err)
+            # an engine that serves announces in arrival order must see k done before k+1; the
+            # others stage the previous bucket while this one is broadcast, and never hold more
+            # than two: the one before that must be staged first. Waiting here, not right after
+            # the previous broadcast, lets the exporter pack the next bucket meanwhile.
+            keep = 1 if all(a.ordered_announces for a in engines) else 0
+            for name, err in self._drain(keep).items():
+                failures.setdefault(name, err)
             fields = {"group_name": self.group.name, "layout": layout, "seq": self._seq,
                       "nbytes": tensor.numel() * tensor.element_size(), "dtype": dtype,
-                      "numel": tensor.numel(), "tensors": specs}
+                      "numel": tensor.numel()}
+            if specs is not None:
+                fields["tensors"] = specs
             header = payload.header(**fields)
-            calls = {a.engine_name: _spawn(a.announce, header) for a in engines}
+            wake = threading.Event()
+            calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
             try:
-                self._broadcast(self._device(tensor), calls, payload.body)
+                self._broadcast(self._device(tensor), calls, payload.body, wake)
             except Exception as e:  # noqa: BLE001 - find who broke it, rebuild, send again
                 attempts += 1
                 failures.update(self._broken(engines, calls, attempts, payload.index, e))
@@ -499,21 +515,24 @@ class CollectiveTransport(Transport):
                 for name, err in self._drain().items():
                     failures.setdefault(name, err)
                 continue
-            # keep one broadcast's announces in flight: the engines stage bucket i while the
-            # trainer broadcasts bucket i+1, and never hold more than two
             self._seq += 1
-            for name, err in self._drain().items():
-                failures.setdefault(name, err)
             self.pending.append((calls, payload.index))
             k += 1
         return failures
 
-    def _broadcast(self, tensor: torch.Tensor, calls: dict[str, _Call], body: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, calls: dict[str, _Call], body: torch.Tensor,
+                   wake: threading.Event | None = None) -> None:
         """Broadcast while watching the announces: an engine that failed before it posted its
         receive would leave rank 0 waiting for the whole timeout, so the broadcast is abandoned
         as soon as one announce fails (the group is rebuilt; the buffer is retired, since the
-        abandoned operation may still read it)."""
+        abandoned operation may still read it). The wait wakes on the broadcast's completion or
+        an announce's failure, whichever comes first (no polling delay per bucket)."""
         work = pgs.start_broadcast(self.group.pg, tensor, self.options.timeout)
+        wake = wake or threading.Event()
+        try:
+            work.get_future().add_done_callback(lambda _: wake.set())
+        except (AttributeError, RuntimeError):       # a backend without futures: poll
+            wake = None
         deadline = time.monotonic() + self.options.timeout
         nap = 0.0005
         while not work.is_completed():
@@ -524,8 +543,11 @@ class CollectiveTransport(Transport):
                     raise TransportError(f"engine {bad[0][0]} failed before receiving the "
                                          f"broadcast: {bad[0][1]}")
                 raise TransportError(f"broadcast did not complete within {self.options.timeout}s")
-            time.sleep(nap)
-            nap = min(nap * 2, 0.005)
+            if wake is not None and not wake.is_set():
+                wake.wait(min(0.25, max(0.0, deadline - time.monotonic())))
+            else:       # no future, or it fired a moment before the work says completed
+                time.sleep(nap)
+                nap = min(nap * 2, 0.005)
         pgs.finish_broadcast(work, tensor, self.options.timeout)
 
     def _retire(self, body: torch.Tensor) -> None:

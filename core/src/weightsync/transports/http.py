@@ -1,18 +1,27 @@
 """Transport `http`: payload bytes POSTed to an endpoint the adapter names, one frame per bucket,
 to every engine in parallel. For cross-cluster syncs and small deltas, where no shared disk or
-group exists."""
+group exists.
+
+Double-buffered like `shm`: payloads are packed straight into `buffers` (2) reusable send
+buffers (`alloc`: warm memory, no allocation per bucket), and for engines that take payloads in
+any order (`Adapter.ordered_announces`: weightsync's receiver) `send` returns as soon as the POSTs
+of bucket i are on their way, so the exporter packs bucket i+1 while the engines receive and
+stage bucket i, and bucket i+1 goes out while they still stage bucket i (two requests in flight
+per engine, on two connections). A buffer is handed out again once every POST that carries it
+has been answered. Engines that need payloads one after another get them that way."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import requests
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import EngineUnavailable, PayloadError
-from ..httpclient import Parts, call
+from ..errors import EngineUnavailable, PayloadError, TransportError
+from ..httpclient import Parts, call, session_for
 from ..interfaces import Adapter, Payload, Transport, TransportReceiver
 from ..wire import frame
 
@@ -21,10 +30,16 @@ class HttpOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     timeout: float = Field(300.0, gt=0, description="seconds per payload request")
     retries: int = Field(1, ge=0, description="extra tries on a dropped connection")
+    buffers: int = Field(2, ge=1, le=8, description="send buffers used in turn (2: the exporter "
+                                                    "packs bucket i+1 while bucket i is sent)")
 
 
 class HttpReceiver(TransportReceiver):
-    """The body came in the request itself."""
+    """The body came in the request itself (`in_band`: a server may hand the request's stream
+    to `ReceiveSession.apply_stream` instead of reading the body first)."""
+
+    in_band = True
+    private = True      # the body is this process's own memory
 
     def receive(self, header: Mapping[str, Any], body: memoryview | None) -> torch.Tensor:
         if body is None:
@@ -35,6 +50,21 @@ class HttpReceiver(TransportReceiver):
         return torch.frombuffer(body, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
 
 
+class _Buffer:
+    """One reusable send buffer and the POSTs that still read it."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.free = threading.Event()
+        self.free.set()
+        self.posts: list[Future] = []
+
+    def holds(self, t: torch.Tensor) -> bool:
+        b = self.tensor
+        return (b is not None and t.device.type == "cpu" and b.data_ptr() <= t.data_ptr()
+                and t.data_ptr() + t.numel() <= b.data_ptr() + b.numel())
+
+
 class HttpTransport(Transport):
     name = "http"
     Options = HttpOptions
@@ -43,50 +73,128 @@ class HttpTransport(Transport):
 
     def __init__(self, options: BaseModel | None = None) -> None:
         super().__init__(options)
-        self._sessions: dict[str, requests.Session] = {}
+        self._sessions: dict[tuple[str, int], requests.Session] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._ring = [_Buffer() for _ in range(self.options.buffers)]
+        self._turn = 0
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, Future]] = []     # (engine, POST) not yet collected
+        self._seq = 0
 
-    def _session(self, engine: str) -> requests.Session:
-        if engine not in self._sessions:
-            self._sessions[engine] = requests.Session()
-        return self._sessions[engine]
+    # -- buffers ----------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """The next send buffer, once every POST that carried it was answered; grown if too
+        small. Sender memory stays at `buffers` payloads whatever the model size."""
+        with self._lock:
+            buf = self._ring[self._turn]
+            self._turn = (self._turn + 1) % len(self._ring)
+        if not buf.free.wait(self.options.timeout):
+            raise TransportError(f"no http send buffer was released within {self.options.timeout}s")
+        buf.free.clear()
+        buf.posts = []
+        if buf.tensor is None or buf.tensor.numel() < nbytes:
+            buf.tensor = None
+            buf.tensor = torch.empty(max(1, nbytes), dtype=torch.uint8)
+        return buf.tensor[:nbytes]
 
-    def _post(self, adapter: Adapter, payload: Payload) -> None:
+    def _buffer_of(self, body: torch.Tensor) -> _Buffer | None:
+        return next((b for b in self._ring if b.holds(body)), None)
+
+    def _release_when_done(self, buf: _Buffer | None, posts: list[Future]) -> None:
+        if buf is None:
+            return
+        buf.posts = posts
+        if not posts:
+            buf.free.set()
+            return
+        left = [len(posts)]
+        lock = threading.Lock()
+
+        def one_done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    buf.free.set()
+        for f in posts:
+            f.add_done_callback(one_done)
+
+    def discard(self, payload: Payload) -> None:
+        buf = self._buffer_of(payload.body)
+        if buf is not None and all(f.done() for f in buf.posts):
+            buf.free.set()
+
+    # -- sending ------------------------------------------------------------------------------
+    def _session(self, adapter: Adapter, lane: int) -> requests.Session:
+        key = (adapter.engine_name, lane)
+        with self._lock:
+            if key not in self._sessions:
+                self._sessions[key] = session_for(getattr(adapter, "engine", None))
+            return self._sessions[key]
+
+    def _post(self, adapter: Adapter, payload: Payload, body: torch.Tensor, lane: int) -> None:
         ep = adapter.payload_endpoint()
+        header = payload.header()
         if ep.render is not None:
-            parts, ctype = ep.render(payload.header(), payload.body)
+            parts, ctype = ep.render(header, body)
         else:
-            parts, ctype = frame(payload.header(), payload.body), "application/octet-stream"
+            parts, ctype = frame(header, body), "application/octet-stream"
         for attempt in range(self.options.retries + 1):
             try:
-                call(self._session(adapter.engine_name), adapter.engine_name, "POST", ep.url,
-                     timeout=min(ep.timeout, self.options.timeout), data=Parts(parts),
+                call(self._session(adapter, lane), adapter.engine_name, "POST", ep.url,
+                     timeout=self.bounded(min(ep.timeout, self.options.timeout)), data=Parts(parts),
                      headers={**ep.headers, "Content-Type": ctype})
                 return
             except Exception as e:
                 if not isinstance(e, EngineUnavailable) or attempt == self.options.retries:
                     raise
 
-    def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
-        if payload.body.device.type != "cpu":
-            payload.body = payload.body.cpu()
-        if len(engines) == 1:
-            try:
-                self._post(engines[0], payload)
-                return {}
-            except Exception as e:
-                return {engines[0].engine_name: e}
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ws-http")
-        futures = {a.engine_name: self._pool.submit(self._post, a, payload) for a in engines}
+    def open(self, engines: Sequence[Adapter], version: int) -> dict[str, BaseException]:
+        self._collect(wait=True)
+        with self._lock:
+            self._turn = 0
+            for b in self._ring:         # a payload allocated by an aborted sync was never sent
+                if all(f.done() for f in b.posts):
+                    b.posts = []
+                    b.free.set()
+        return {}
+
+    def _collect(self, wait: bool, keep: int = 0) -> dict[str, BaseException]:
+        """Failures of the POSTs sent before the last `keep` payloads (waiting for them)."""
+        with self._lock:
+            cut = max(0, len(self._pending) - keep)
+            done, self._pending = self._pending[:cut], self._pending[cut:]
         failures: dict[str, BaseException] = {}
-        for name, f in futures.items():
-            err = f.exception()
+        for name, f in done:
+            err = f.exception() if wait or f.done() else None
             if err is not None:
-                failures[name] = err
+                failures.setdefault(name, err)
         return failures
 
+    def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        body = payload.body
+        if body.device.type != "cpu":
+            body = body.cpu()
+        buf = self._buffer_of(body)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=max(8, 4 * len(engines)),
+                                            thread_name_prefix="ws-http")
+        self._seq += 1
+        lane = self._seq % 2
+        posts = {a.engine_name: self._pool.submit(self._post, a, payload, body, lane) for a in engines}
+        self._release_when_done(buf, list(posts.values()))
+        with self._lock:
+            self._pending += [(n, posts[n]) for n in posts]
+        # engines that take payloads in any order keep this one in flight while the next is
+        # packed and sent; the others (and a body not in our buffers) get it answered first
+        overlap = buf is not None and all(a.ordered_announces for a in engines)
+        previous = len(engines) if overlap else 0
+        return self._collect(wait=True, keep=previous)
+
+    def finish(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        return self._collect(wait=True)
+
     def close(self) -> None:
+        self._collect(wait=True)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

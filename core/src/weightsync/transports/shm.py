@@ -19,6 +19,13 @@ No leaked segments, by construction:
 - receivers open segments read-only and never create or unlink them; their mappings of an
   unlinked segment are released when they drop them (the kernel frees the memory then).
 A receiver validates names against that pattern, so a header cannot point it at another file.
+
+Generations: the last 64 bytes of a CPU segment hold a counter that `alloc` bumps before the
+buffer is written again, and every announce carries the value it was sent under. A receiver
+checks it before it copies and again after: a buffer rewritten while an engine still read it
+(which the release protocol above rules out) would be refused, never staged. That is what lets a
+receiver hash each piece as it reads it and stream it into staging (two memory transfers per
+byte, as for a bare copy) instead of hashing the copy afterwards.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -45,6 +53,7 @@ from ..interfaces import Adapter, Payload, Transport, TransportReceiver
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 PREFIX = "weightsync-"
+GEN_BYTES = 64                   # a CPU segment's tail: the buffer's generation (u64 little-endian)
 NAME_RE = re.compile(r"^weightsync-[0-9]+-[0-9a-f]+-[0-9]+$")
 
 
@@ -87,7 +96,8 @@ class Segment:
     mm: mmap.mmap | None = None
     ipc: dict[str, Any] | None = None
     free: threading.Event = field(default_factory=threading.Event)
-    readers: dict[str, threading.Thread] = field(default_factory=dict)
+    readers: dict[str, Any] = field(default_factory=dict)   # engine -> its announce (is_alive)
+    generation: int = 0
 
     def __post_init__(self) -> None:
         self.free.set()
@@ -186,9 +196,29 @@ def _open_cuda(handle: Mapping[str, Any]) -> torch.Tensor:
     return t
 
 
+def _generation(buf: torch.Tensor) -> int:
+    tail = buf[buf.numel() - GEN_BYTES: buf.numel() - GEN_BYTES + 8]
+    return int.from_bytes(bytes(tail.numpy()), "little")
+
+
 class ShmReceiver(TransportReceiver):
     """Maps the sender's segment (cached: the same buffers come back every bucket) and returns a
     zero-copy view of the payload body."""
+
+    def hash_source(self, header: Mapping[str, Any]) -> bool:
+        """The body may be hashed as it is read (not from the copy): its buffer has a generation
+        that `unchanged` checks after the copy."""
+        tr = header.get("transport") or {}
+        return "generation" in tr and "cuda_ipc" not in tr
+
+    def unchanged(self, header: Mapping[str, Any]) -> None:
+        """After staging: the sender did not start rewriting the buffer meanwhile."""
+        tr = header.get("transport") or {}
+        if "generation" in tr and "cuda_ipc" not in tr:
+            if _generation(_open_cpu(str(tr.get("segment")))) != int(tr["generation"]):
+                raise PayloadError(f"bucket {header.get('index')}: the sender rewrote shm buffer "
+                                   f"{tr.get('segment')} while this engine read it; nothing was "
+                                   f"staged (resend it)")
 
     def receive(self, header: Mapping[str, Any], body: memoryview | None) -> torch.Tensor:
         tr = header.get("transport") or {}
@@ -203,8 +233,14 @@ class ShmReceiver(TransportReceiver):
             buf = _open_cuda(tr["cuda_ipc"])
         else:
             buf = _open_cpu(str(tr.get("segment")))
-        if offset < 0 or offset + nbytes > buf.numel():
-            raise PayloadError(f"shm view {offset}+{nbytes} exceeds segment of {buf.numel()} bytes")
+        room = buf.numel()
+        if "generation" in tr and "cuda_ipc" not in tr:
+            room -= GEN_BYTES
+            if room < 0 or _generation(buf) != int(tr["generation"]):
+                raise PayloadError(f"bucket {header.get('index')}: shm buffer {tr.get('segment')} "
+                                   f"was already reused by the sender; nothing was staged")
+        if offset < 0 or offset + nbytes > room:
+            raise PayloadError(f"shm view {offset}+{nbytes} exceeds segment of {room} bytes")
         return buf[offset: offset + nbytes]
 
 
@@ -215,6 +251,17 @@ def forget_mappings() -> None:
 
 
 # -- sending side -----------------------------------------------------------------------------
+class _Read:
+    """An engine's announce of one buffer, running on the transport's pool (`is_alive` as a
+    thread's, for the bookkeeping that asks who still reads a buffer)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def is_alive(self) -> bool:
+        return not self.future.done()
+
+
 class ShmTransport(Transport):
     name = "shm"
     Options = ShmOptions
@@ -232,6 +279,7 @@ class ShmTransport(Transport):
         self.turn = 0
         self.lock = threading.Lock()
         self.errors: dict[str, BaseException] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- buffers ----------------------------------------------------------------------------
     def _fresh_name(self) -> str:
@@ -247,8 +295,15 @@ class ShmTransport(Transport):
             seg.ipc = export_buffer(seg.tensor)
         else:
             seg.name = self._fresh_name()
-            seg.mm, seg.tensor = create_cpu_segment(seg.name, size)
+            seg.mm, seg.tensor = create_cpu_segment(seg.name, size + GEN_BYTES)
         seg.size = size
+
+    def _bump(self, seg: Segment) -> None:
+        """A new generation of `seg`, written before anything of the next payload is."""
+        seg.generation += 1
+        if seg.tensor is not None and seg.ipc is None:
+            tail = seg.tensor[seg.size: seg.size + 8]
+            tail.copy_(torch.frombuffer(bytearray(seg.generation.to_bytes(8, "little")), dtype=torch.uint8))
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """The next buffer in turn, once every engine released it; grown if too small."""
@@ -264,6 +319,7 @@ class ShmTransport(Transport):
         seg.readers = {}
         if seg.size < nbytes:
             self._grow(seg, nbytes)
+        self._bump(seg)
         return seg.tensor[:nbytes]
 
     def _segment_of(self, body: torch.Tensor) -> Segment | None:
@@ -288,11 +344,6 @@ class ShmTransport(Transport):
             with self.lock:
                 self.errors.setdefault(adapter.engine_name, e)
 
-    def _release_when_read(self, seg: Segment, threads: list[threading.Thread]) -> None:
-        for t in threads:
-            t.join()
-        seg.free.set()
-
     def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
         body = payload.body
         seg = self._segment_of(body)
@@ -310,17 +361,28 @@ class ShmTransport(Transport):
             fields["cuda_ipc"] = seg.ipc
         else:
             fields["segment"] = seg.name
+            fields["generation"] = seg.generation
         header = payload.header(**fields)
         with self.lock:
             failed = {n: e for n, e in self.errors.items()}
         targets = [a for a in engines if a.engine_name not in failed]
-        threads = [threading.Thread(target=self._announce, args=(seg, a, header), daemon=True,
-                                    name=f"ws-shm-{a.engine_name}") for a in targets]
-        seg.readers = {a.engine_name: t for a, t in zip(targets, threads)}
-        for t in threads:
-            t.start()
-        threading.Thread(target=self._release_when_read, args=(seg, threads), daemon=True,
-                         name="ws-shm-release").start()
+        if self._pool is None:       # announce threads kept from bucket to bucket
+            self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(targets)),
+                                            thread_name_prefix="ws-shm")
+        reads = [self._pool.submit(self._announce, seg, a, header) for a in targets]
+        seg.readers = {a.engine_name: _Read(f) for a, f in zip(targets, reads)}
+        left = [len(reads)]
+        lock = threading.Lock()
+
+        def read(_: Future) -> None:       # the buffer is free once every engine staged it
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    seg.free.set()
+        if not reads:
+            seg.free.set()
+        for f in reads:
+            f.add_done_callback(read)
         return failed
 
     def discard(self, payload: Payload) -> None:
@@ -360,6 +422,9 @@ class ShmTransport(Transport):
         self._wait_all(min(self.options.timeout, 30.0))
         for s in self.segs:
             s.drop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def segment_names(self) -> list[str]:
         return [s.name for s in self.segs if s.name]
