@@ -13,7 +13,8 @@ def test_plugins_json_lists_builtins_and_installed_plugins():
     assert out.returncode == 0, out.stderr
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     core = rows["weightsync.builtin"]
-    assert core["distribution"] == "weightsync-core" and core["version"] == "0.1.0"
+    import weightsync
+    assert core["distribution"] == "weightsync-core" and core["version"] == weightsync.__version__
     assert {"transport:http", "encoding:raw", "encoding:cast", "exporter:torch",
             "adapter:reference"} <= set(core["components"])
     for ep in ("sglang", "vllm", "lmdeploy", "disk_delta"):
@@ -37,11 +38,88 @@ def test_check_accepts_and_refuses(tmp_path):
 
 
 def test_demo_main_job(tmp_path):
-    """The README's main job: train, push each step into a separate engine process, compare
-    greedy generation; exit 0 only if every sync verified and generations are identical."""
-    out = run("demo", "--steps", "2", "--workdir", str(tmp_path), timeout=300)
+    """The README's main job: train, push each step into two engine processes (one stopped and
+    started again, catching up from its peer), compare greedy generation; exit 0 only if every
+    sync verified and generations are identical; its temporary directory is removed."""
+    import os
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "weightsync", "demo", "--steps", "2"],
+                         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert len(steps) == 2 and all("verified True" in ln for ln in steps)
     assert "version 2" in steps[1] and any("IDENTICAL" in ln for ln in lines)
+    assert all("pause " in ln for ln in steps)                    # the pause window, per sync
+    assert any("caught up to version 1 from engine-a" in ln for ln in lines)   # peer join
+    assert "the run:" in lines and lines[-1] == "demo: OK"
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("weightsync-demo-")] == []
+
+
+# -- a plain install's first hour: fast help, versions, one-line errors ------------------------
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys; from weightsync.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported for --help'\n"
+            "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "weightsync-core 0.2.0" in out.stdout and "weightsync-vllm" in out.stdout
+
+
+def test_every_option_has_help_with_its_default():
+    from weightsync.cli import parser
+    p = parser()
+    subs = [a for a in p._actions if a.__class__.__name__ == "_SubParsersAction"][0]
+    pending = list(subs.choices.items())
+    while pending:
+        name, sp = pending.pop()
+        for a in sp._actions:
+            if a.__class__.__name__ == "_SubParsersAction":
+                pending += [(f"{name} {n}", c) for n, c in a.choices.items()]
+                continue
+            if a.dest in ("help",):
+                continue
+            assert a.help, f"weightsync {name} {a.option_strings or a.dest} has no help text"
+        options = [a for a in sp._actions if a.option_strings and a.dest != "help"
+                   and a.__class__.__name__ != "_SubParsersAction"]
+        if options:
+            assert "(default:" in sp.format_help(), name
+
+
+def test_user_errors_are_one_line_and_exit_2(tmp_path):
+    import socket
+    out = run("serve", "--model", str(tmp_path / "nope"))
+    assert out.returncode == 2 and out.stderr.startswith("error: model directory") \
+        and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    from weightsync.testing import sample_state_dict, write_weights_only_model
+    model = write_weights_only_model(tmp_path / "m", sample_state_dict())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = run("serve", "--model", str(model), "--port", str(port))
+    assert out.returncode == 2 and f"port {port} is already in use" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = run("check", str(tmp_path))
+    assert out.returncode == 2 and "is a directory" in out.stderr and "Traceback" not in out.stderr
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("transport: http\nengines: [{url: 'http://x:1'\n")
+    out = run("check", str(bad))
+    assert out.returncode == 2 and "broken.yaml" in out.stderr and "<unicode string>" not in out.stderr
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("engines: []\n")
+    out = run("check", str(empty))
+    assert out.returncode == 2 and "lists no engines" in out.stderr
+
+
+def test_check_reports_every_problem_at_once(tmp_path):
+    cfg = tmp_path / "many.yaml"
+    cfg.write_text("transport: teleport\nencoding: {kind: cast, options: {dtype: int3}}\n"
+                   "engines: [{url: 'http://127.0.0.1:9', adapter: nope}, {url: 'http://127.0.0.1:9'}]\n")
+    out = run("check", str(cfg))
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert out.returncode == 2 and len(errors) >= 2, out.stderr
+    assert any("unknown transport 'teleport'" in e for e in errors)
+    assert any("encoding 'cast': bad options" in e for e in errors)

@@ -145,7 +145,7 @@ def test_push_script_moves_weights_through_files(installed: dict, tmp_path: Path
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         assert [line.split(":")[0] for line in lines] == ["v1", "v2"]
-        assert all(line.endswith("1/1 engines, verified=True") for line in lines), r.stdout
+        assert all(line.endswith("1/1 engines (1 verified)") for line in lines), r.stdout
         assert engine.health()["version"] == 2
         got = engine.weights()
     want = load_file(str(model / "model.safetensors"))

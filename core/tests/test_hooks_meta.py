@@ -62,9 +62,10 @@ def _clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-def test_the_four_registration_hooks_exist() -> None:
+def test_the_six_registration_hooks_exist() -> None:
     assert hook_specs() == {"register_adapters": ["register"], "register_encodings": ["register"],
-                            "register_exporters": ["register"], "register_transports": ["register"]}
+                            "register_exporters": ["register"], "register_transports": ["register"],
+                            "register_fleets": ["register"], "register_peer_sources": ["register"]}
     assert HOOKS == sorted(h for h in dir(make_plugin_manager(load_entrypoints=False).hook)
                            if not h.startswith("_"))
 
@@ -188,6 +189,51 @@ def test_hook_register_adapters() -> None:
     refused = SyncConfig.load({"adapter": "proxied", "transport": "collective", "engines": engines})
     with pytest.raises(ConfigError, match="'proxied' cannot receive over transport 'collective'"):
         resolve(refused, components)
+
+
+def test_hook_register_fleets() -> None:
+    from weightsync.fleet.static import StaticFleet
+
+    class Fixed(StaticFleet):
+        name = "fixed"
+
+    class Plugin:
+        @hookimpl
+        def register_fleets(self, register):
+            register(Fixed)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="fixed-fleet-plugin")
+    components = load_components(pm)
+    assert components.fleets.get("fixed") is Fixed
+    resolved = resolve(SyncConfig.load({"fleet": "fixed", "engines": [{"url": "http://127.0.0.1:8100"}]}),
+                       components)
+    assert resolved.fleet_cls is Fixed
+    with pytest.raises(PluginError, match="unknown fleet 'nope'; installed: .*registry.*static"):
+        resolve(SyncConfig.load({"fleet": "nope", "engines": []}), components)
+    with pytest.raises(ConfigError, match="`engines` lists a static fleet, but `fleet` is 'registry'"):
+        resolve(SyncConfig.load({"fleet": "registry", "engines": [{"url": "http://127.0.0.1:8100"}]}),
+                components)
+
+
+def test_hook_register_peer_sources() -> None:
+    from weightsync.fleet.peer import HttpPeerSource
+
+    class Other(HttpPeerSource):
+        name = "other"
+
+    class Plugin:
+        @hookimpl
+        def register_peer_sources(self, register):
+            register(Other)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="other-source-plugin")
+    components = load_components(pm)
+    assert components.peer_sources.get("other") is Other
+    assert components.peer_sources.get("http") is HttpPeerSource
+    row = next(r for r in describe_plugins(components) if r["name"] == "other-source-plugin")
+    assert row["hooks"] == ["register_peer_sources"]
 
 
 # -- what `register` refuses ------------------------------------------------------------------

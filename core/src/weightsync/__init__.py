@@ -11,29 +11,64 @@ Quick start::
     sync = WeightSync.from_config("sync.yaml")
     for step in range(steps):
         train_step(model)
-        report = sync.push(model, version=step + 1)   # pause, stream, verify, commit, resume
+        report = sync.push(model, version=step + 1)   # stream, verify, pause, commit, resume
         print(report.summary())
     sync.close()
 
-Plugins add components through four pluggy hooks (see `weightsync.hookspecs`).
+Plugins add components through six pluggy hooks (see `weightsync.hookspecs`).
+
+Names load on first use, so `weightsync --help` and a plugin's `plugin.py` do not pay for
+torch until something needs it.
 """
 
-from .bucket import Bucket, TensorSpec
-from .config import EngineSpec, SyncConfig
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from .errors import (ConfigError, EngineError, EngineUnavailable, EngineUnreachable, PayloadError,
                      PluginError, SyncError, TransportError, WeightSyncError)
 from .hookspecs import hookimpl
-from .interfaces import (Adapter, Encoding, Endpoint, EngineStatus, Exporter, Payload, Transport,
-                         TransportReceiver)
-from .pipeline import WeightSync
-from .plugins import load_components, make_plugin_manager
-from .report import EngineOutcome, SyncReport
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"   # the one source: hatch reads it for the distribution's version
+
+_LAZY = {
+    "Bucket": "bucket", "TensorSpec": "bucket", "EngineSpec": "config", "SyncConfig": "config",
+    "Adapter": "interfaces", "Encoding": "interfaces", "Endpoint": "interfaces",
+    "EngineStatus": "interfaces", "Exporter": "interfaces", "Fleet": "interfaces",
+    "Member": "interfaces", "Payload": "interfaces", "PeerSource": "interfaces",
+    "Transport": "interfaces", "TransportReceiver": "interfaces", "WeightSync": "pipeline",
+    "load_components": "plugins", "make_plugin_manager": "plugins", "EngineOutcome": "report",
+    "SyncReport": "report",
+}
+
+if TYPE_CHECKING:
+    from .bucket import Bucket, TensorSpec
+    from .config import EngineSpec, SyncConfig
+    from .interfaces import (Adapter, Encoding, Endpoint, EngineStatus, Exporter, Fleet, Member,
+                             Payload, PeerSource, Transport, TransportReceiver)
+    from .pipeline import WeightSync
+    from .plugins import load_components, make_plugin_manager
+    from .report import EngineOutcome, SyncReport
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "Adapter", "Bucket", "ConfigError", "Encoding", "Endpoint", "EngineError", "EngineOutcome",
-    "EngineSpec", "EngineStatus", "EngineUnavailable", "EngineUnreachable", "Exporter", "Payload",
-    "PayloadError", "PluginError", "SyncConfig", "SyncError", "SyncReport", "TensorSpec", "Transport",
-    "TransportError", "TransportReceiver", "WeightSync", "WeightSyncError", "hookimpl",
-    "load_components", "make_plugin_manager",
+    "EngineSpec", "EngineStatus", "EngineUnavailable", "EngineUnreachable", "Exporter", "Fleet",
+    "Member", "Payload", "PayloadError", "PeerSource", "PluginError", "SyncConfig", "SyncError",
+    "SyncReport", "TensorSpec", "Transport", "TransportError", "TransportReceiver", "WeightSync",
+    "WeightSyncError", "hookimpl", "load_components", "make_plugin_manager",
 ]

@@ -33,3 +33,19 @@ def register_transports(register):  # noqa: ANN001, ANN201
 def register_adapters(register):  # noqa: ANN001, ANN201
     from .adapters.reference import ReferenceAdapter
     register(ReferenceAdapter)
+
+
+@hookimpl
+def register_fleets(register):  # noqa: ANN001, ANN201
+    from .fleet.registry import RegistryFleet
+    from .fleet.static import StaticFleet
+    from .ray.fleet import RayFleet     # imports no Ray: only opening the fleet needs it
+    register(StaticFleet)
+    register(RegistryFleet)
+    register(RayFleet)
+
+
+@hookimpl
+def register_peer_sources(register):  # noqa: ANN001, ANN201
+    from .fleet.peer import HttpPeerSource
+    register(HttpPeerSource)

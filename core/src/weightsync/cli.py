@@ -1,13 +1,41 @@
-"""The `weightsync` command: plugins, serve, check, demo, bench."""
+"""The `weightsync` command. Nothing heavy is imported before a subcommand runs, so `--help` and
+`--version` answer at once; a user error is one line on stderr and exit status 2, never a
+traceback."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
+
+_FMT = argparse.ArgumentDefaultsHelpFormatter
 
 
+def _versions() -> str:
+    from importlib.metadata import distributions
+    seen = {}
+    for d in distributions():
+        name = (d.metadata.get("Name") or "").lower().replace("_", "-")
+        if name == "weightsync-core" or name.startswith("weightsync-"):
+            seen[name] = d.version
+    core = seen.pop("weightsync-core", "not installed")
+    lines = [f"weightsync-core {core}"] + [f"{n} {v}" for n, v in sorted(seen.items())]
+    return "\n".join(lines)
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print every installed weightsync "
+                                                             "distribution's version and exit")
+
+    def __call__(self, *args: Any, **kw: Any) -> None:
+        print(_versions())
+        raise SystemExit(0)
+
+
+# -- subcommands ------------------------------------------------------------------------------
 def _plugins(args: argparse.Namespace) -> int:
     from .plugins import describe_plugins, load_components
     rows = describe_plugins(load_components())
@@ -26,22 +54,26 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+    if not Path(args.model).is_dir():
+        raise UserError(f"model directory {args.model} does not exist (give --model the "
+                        f"directory with config.json and *.safetensors)")
     from .server import serve
-    serve(args.model, args.host, args.port, args.api_key, args.name, args.device)
+    serve(args.model, args.host, args.port, args.api_key, args.name, args.device,
+          api_key_file=args.api_key_file, load_roots=args.load_root, fleet=args.fleet,
+          fleet_key=args.fleet_key, advertise=args.advertise, verbosity=args.verbose - args.quiet,
+          hmac_key_file=args.hmac_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key)
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .config import SyncConfig, resolve
-    from .errors import WeightSyncError
-    from .plugins import load_components
-    try:
-        r = resolve(SyncConfig.load(args.config), load_components())
-    except WeightSyncError as e:
-        print(f"error: {e}", file=sys.stderr)
+    from .check import check_config
+    problems, summary = check_config(args.config)
+    if problems:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
         return 2
-    print(f"ok: exporter {r.exporter_cls.name}, encoding {r.encoding_cls.name}, transport "
-          f"{r.transport_cls.name}, engines {[p.spec.name for p in r.engines]}")
+    print(f"ok: {summary}")
     return 0
 
 
@@ -54,38 +86,94 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         from .bench import run_bench
     except ImportError as e:
-        print(f"error: the benchmark is not available: {e}", file=sys.stderr)
-        return 2
+        raise UserError(f"the benchmark needs weightsync-core[bench]: {e}") from None
     return run_bench(args)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser("weightsync", description="Move trainer weights into inference engines.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("plugins", help="list installed plugins and their components")
-    sp.add_argument("--json", action="store_true")
+def _join(args: argparse.Namespace) -> int:
+    from .fleet.sidecar import run_sidecar
+    return run_sidecar(args)
+
+
+def _fleet_serve(args: argparse.Namespace) -> int:
+    from .fleet.sidecar import run_registry
+    return run_registry(args)
+
+
+def _fleet_ls(args: argparse.Namespace) -> int:
+    from .fleet.client import RegistryClient
+    from .httpserver import resolve_key
+    view = RegistryClient(args.registry, resolve_key(args.api_key, args.api_key_file,
+                                                     env="WEIGHTSYNC_FLEET_KEY")).fleet()
+    if args.json:
+        print(json.dumps(view, indent=2))
+        return 0
+    print(f"fleet version {view['version']}, lease {view['lease']}s, {len(view['members'])} members")
+    head = f"{'name':<24} {'adapter':<10} {'role':<6} {'version':>7} {'state':<8} {'lease':>6}  url"
+    print(head)
+    for m in view["members"]:
+        print(f"{m['name']:<24} {m['adapter']:<10} {m['role']:<6} {str(m['version']):>7} "
+              f"{m['state']:<8} {m['lease_left']:>6.1f}  {m['url']}"
+              + (f"  ({m['error']})" if m.get("error") else ""))
+    return 0
+
+
+# -- the parser -------------------------------------------------------------------------------
+def _key_args(sp: argparse.ArgumentParser, what: str, env: str) -> None:
+    sp.add_argument("--api-key", default=None, help=f"{what}'s API key (prefer --api-key-file or ${env})")
+    sp.add_argument("--api-key-file", default=None, help=f"read {what}'s API key from this file")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("weightsync", description="Move trainer weights into inference "
+                                "engines: fast, verified, versioned.", formatter_class=_FMT)
+    p.add_argument("--version", action=_Version)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    sp = sub.add_parser("plugins", help="list installed plugins and their components", formatter_class=_FMT)
+    sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sp.set_defaults(fn=_plugins)
-    sp = sub.add_parser("serve", help="run the reference engine")
+
+    sp = sub.add_parser("serve", help="run the reference engine (needs weightsync-core[serve] for "
+                        "models with config.json)", formatter_class=_FMT)
     sp.add_argument("--model", required=True, help="HF model directory (or safetensors only)")
-    sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=8100)
-    sp.add_argument("--api-key", default=None)
-    sp.add_argument("--name", default=None)
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sp.add_argument("--port", type=int, default=8100, help="port to listen on (0: any free port)")
+    _key_args(sp, "the engine", "WEIGHTSYNC_API_KEY")
+    sp.add_argument("--name", default=None, help="engine name in reports (default host:port)")
     sp.add_argument("--device", default="cpu", help="where the weights live: cpu, cuda, cuda:N")
+    sp.add_argument("--load-root", action="append", default=[], metavar="DIR",
+                    help="a directory load_from_disk may read below (repeatable; none: refused)")
+    sp.add_argument("--fleet", default=None, metavar="URL", help="register with this fleet registry")
+    sp.add_argument("--fleet-key", default=None, help="the registry's API key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--advertise", default=None, metavar="URL",
+                    help="the URL the registry and trainer reach this engine at (default from --host/--port)")
+    sp.add_argument("--hmac-key-file", default=None, help="refuse payloads not signed with this "
+                    "shared key (also $WEIGHTSYNC_HMAC_KEY)")
+    sp.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM)")
+    sp.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
+    sp.add_argument("-v", "--verbose", action="count", default=0, help="more log lines (-v: debug)")
+    sp.add_argument("-q", "--quiet", action="count", default=0, help="warnings only")
     sp.set_defaults(fn=_serve)
-    sp = sub.add_parser("check", help="validate a sync config against the installed plugins")
-    sp.add_argument("config")
+
+    sp = sub.add_parser("check", help="validate a sync config against the installed plugins "
+                        "(every problem at once)", formatter_class=_FMT)
+    sp.add_argument("config", help="a .yaml, .yml, .toml or .json sync config")
     sp.set_defaults(fn=_check)
-    sp = sub.add_parser("demo", help="train a tiny LM and push every step into a live engine")
-    sp.add_argument("--engine", default="reference")
-    sp.add_argument("--steps", type=int, default=5)
-    sp.add_argument("--workdir", default=None)
+
+    sp = sub.add_parser("demo", help="train a tiny LM and push every step into live engines "
+                        "(needs weightsync-core[serve])", formatter_class=_FMT)
+    sp.add_argument("--engine", default="reference", help="reference, or a plugin's engine (vllm)")
+    sp.add_argument("--steps", type=int, default=5, help="training steps, one push each")
+    sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     sp.set_defaults(fn=_demo)
-    sp = sub.add_parser("bench", help="benchmark transports against baselines")
-    sp.add_argument("--size", default="1GiB")
-    sp.add_argument("--receivers", type=int, default=2)
-    sp.add_argument("--transports", default=None, help="comma list; default all installed")
-    sp.add_argument("--bucket", default="64MiB")
+
+    sp = sub.add_parser("bench", help="benchmark transports against baselines and floors "
+                        "(needs weightsync-core[bench])", formatter_class=_FMT)
+    sp.add_argument("--size", default="1GiB", help="model size")
+    sp.add_argument("--receivers", type=int, default=2, help="engine processes")
+    sp.add_argument("--transports", default=None, help="comma list (default: all installed)")
+    sp.add_argument("--bucket", default="64MiB", help="bucket size")
     sp.add_argument("--json", default=None, help="write results JSON here")
     sp.add_argument("--png", default=None, help="write a bar chart here (default: next to --json)")
     sp.add_argument("--repeat", type=int, default=1, help="timed runs per row after one warm-up")
@@ -94,5 +182,63 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="rows to run: cpu, cuda (GPU rows only), auto (cpu, plus GPU rows when "
                          "CUDA is available)")
     sp.set_defaults(fn=_bench)
-    args = p.parse_args(argv)
-    return args.fn(args)
+
+    sp = sub.add_parser("join", help="register an engine that cannot register itself (vLLM, "
+                        "SGLang, LMDeploy) with a fleet registry, heartbeat, deregister on exit",
+                        formatter_class=_FMT)
+    sp.add_argument("--fleet", required=True, metavar="URL", help="the fleet registry")
+    sp.add_argument("--fleet-key", default=None, help="the registry's API key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--engine", required=True, help="adapter kind: vllm, sglang, lmdeploy, reference")
+    sp.add_argument("--url", required=True, help="the engine's URL")
+    _key_args(sp, "the engine", "WEIGHTSYNC_ENGINE_KEY")
+    sp.add_argument("--name", default=None, help="member name (default: the URL's host:port)")
+    sp.add_argument("--options", default="{}", help="adapter options as JSON")
+    sp.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the engine's health")
+    sp.set_defaults(fn=_join)
+
+    fp = sub.add_parser("fleet", help="the fleet registry: serve it, list its members",
+                        formatter_class=_FMT)
+    fsub = fp.add_subparsers(dest="fleet_cmd", required=True, metavar="COMMAND")
+    sp = fsub.add_parser("serve", help="run a fleet registry on its own", formatter_class=_FMT)
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sp.add_argument("--port", type=int, default=8200, help="port to listen on")
+    _key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")
+    sp.add_argument("--lease", type=float, default=10.0, help="seconds a member stays without a heartbeat")
+    sp.add_argument("--no-peer-join", action="store_true", help="members behind wait for the next push")
+    sp.set_defaults(fn=_fleet_serve)
+    sp = fsub.add_parser("ls", help="list a registry's members", formatter_class=_FMT)
+    sp.add_argument("--registry", required=True, metavar="URL", help="the fleet registry")
+    _key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")
+    sp.add_argument("--json", action="store_true", help="print JSON (what GET /fleet answers)")
+    sp.set_defaults(fn=_fleet_ls)
+    return p
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: printed as one line, exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            print(f"error: port {getattr(args, 'port', '?')} is already in use; pick another with "
+                  f"--port (0: any free port)", file=sys.stderr)
+            return 2
+        if isinstance(e, (FileNotFoundError, NotADirectoryError, PermissionError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+    except Exception as e:  # noqa: BLE001 - weightsync's own errors are user-facing sentences
+        from .errors import WeightSyncError
+        if isinstance(e, WeightSyncError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise

@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from .errors import ConfigError
 from .interfaces import Adapter, Encoding, Exporter, Transport
+from .metrics import MetricsSettings
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -53,6 +54,8 @@ class EngineSpec(BaseModel):
     api_key: str | None = None
     adapter: ComponentRef | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    verify: bool | str = Field(True, description="https: check the engine's certificate (true), "
+                                                 "against this CA bundle (a path), or not (false)")
 
     @model_validator(mode="after")
     def _default_name(self) -> "EngineSpec":
@@ -70,11 +73,26 @@ class EngineSpec(BaseModel):
 
 class SyncSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    verify: bool = True
-    pause_mode: str | None = None          # None: the adapter's first pause mode
+    verify: bool = Field(True, description="compare every engine's digests with the sender's")
+    pause_mode: str | None = Field(None, description="how engines pause (abort, keep, ...); None: "
+                                                     "each adapter's first mode")
+    pause: Literal["swap", "sync"] = Field(
+        "swap", description="swap: engines that stage a round are paused only around the commit; "
+                            "sync: every engine is paused before the first byte (the old way)")
+    lease: float = Field(10.0, gt=0, le=3600, description=(
+        "seconds an engine keeps this trainer's round or pause without renewal; the pipeline "
+        "renews every third of it, and an engine whose lease lapses aborts and resumes itself"))
+    deadline: float = Field(600.0, gt=0, description=(
+        "seconds a whole push may take; an engine that has not answered by then is dropped and "
+        "reported, the others finish"))
+    hmac_key_file: str | None = Field(None, description=(
+        "a key shared with the engines: every payload is signed, and engines holding the key "
+        "refuse unsigned or forged ones (also $WEIGHTSYNC_HMAC_KEY)"))
     failure_policy: Literal["raise", "continue"] = "raise"
     progress: Literal["auto", "on", "off"] = "auto"
     max_inflight_buckets: int = Field(2, ge=1, le=8)
+    metrics: "MetricsSettings | None" = Field(None, description=(
+        "a JSON line per push to a file, and/or Prometheus metrics on a port"))
 
 
 class SyncConfig(BaseModel):
@@ -84,7 +102,11 @@ class SyncConfig(BaseModel):
     transport: ComponentRef = ComponentRef(kind="http")
     adapter: ComponentRef = ComponentRef(kind="reference")
     engines: list[EngineSpec] = Field(default_factory=list)
+    fleet: ComponentRef | None = Field(None, description=(
+        "where the engines come from: static (the `engines` list, the default) or registry "
+        "(members register at run time), or a plugin's fleet source"))
     sync: SyncSettings = Field(default_factory=SyncSettings)
+
 
     @classmethod
     def load(cls, source: "str | Path | Mapping[str, Any] | SyncConfig") -> "SyncConfig":
@@ -100,12 +122,16 @@ class SyncConfig(BaseModel):
 def read_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give the path of a .yaml, .toml "
+                          f"or .json file")
     text = path.read_text()
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
             import yaml
-            data = yaml.safe_load(text)
+            with open(path) as f:           # a named stream: YAML errors name the file
+                data = yaml.safe_load(f)
         elif suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix == ".json":
@@ -142,6 +168,16 @@ class EnginePlan:
     adapter_options: Any
 
 
+def plan_engine(spec: EngineSpec, default: ComponentRef, transport: type[Transport],
+                encoding: type[Encoding], components: Any) -> "EnginePlan":
+    """The adapter class and options for one engine, checked against the transport and encoding."""
+    ref = spec.adapter or default
+    ad = components.adapters.get(ref.kind)
+    opts = build_options(ad, ref, "adapter", spec.options)
+    check_combination(ad, opts, transport, encoding, spec, components)
+    return EnginePlan(spec, ad, opts)
+
+
 @dataclass
 class ResolvedConfig:
     """Classes and validated options for every component; built once, before any sync."""
@@ -154,6 +190,8 @@ class ResolvedConfig:
     transport_cls: type[Transport]
     transport_options: Any
     engines: list[EnginePlan]
+    fleet_cls: Any = None
+    fleet_options: Any = None
 
 
 def resolve(config: SyncConfig, components: Any) -> ResolvedConfig:
@@ -164,22 +202,39 @@ def resolve(config: SyncConfig, components: Any) -> ResolvedConfig:
     engines = []
     names: set[str] = set()
     for spec in config.engines:
-        ref = spec.adapter or config.adapter
-        ad = components.adapters.get(ref.kind)
-        opts = build_options(ad, ref, "adapter", spec.options)
-        check_combination(ad, opts, tr, enc, spec, components)
+        plan = plan_engine(spec, config.adapter, tr, enc, components)
         if spec.name in names:
             raise ConfigError(f"two engines are named {spec.name!r}; give each a unique `name`")
         names.add(spec.name or "")
-        engines.append(EnginePlan(spec, ad, opts))
+        engines.append(plan)
     mode = config.sync.pause_mode
     for plan in engines:
-        if mode is not None and mode not in plan.adapter_cls.pause_modes:
-            raise ConfigError(f"pause_mode {mode!r} is not supported by adapter "
-                              f"{plan.adapter_cls.name!r}; use one of {list(plan.adapter_cls.pause_modes)}")
-    return ResolvedConfig(config, exp, build_options(exp, config.exporter, "exporter"),
-                          enc, build_options(enc, config.encoding, "encoding"),
-                          tr, build_options(tr, config.transport, "transport"), engines)
+        check_pause_mode(mode, plan.adapter_cls)
+    fleet_ref = config.fleet or ComponentRef(kind="static")
+    fleet_cls = components.fleets.get(fleet_ref.kind)
+    fleet_opts = build_options(fleet_cls, fleet_ref, "fleet")
+    check_fleet_engines(fleet_cls, config)
+    resolved = ResolvedConfig(config, exp, build_options(exp, config.exporter, "exporter"),
+                              enc, build_options(enc, config.encoding, "encoding"),
+                              tr, build_options(tr, config.transport, "transport"), engines,
+                              fleet_cls, fleet_opts)
+    if fleet_ref.kind == "static" and not engines and not tr.publish_only:
+        raise ConfigError("the config lists no engines: add an `engines:` list (url of each "
+                          "engine), or use `fleet: {kind: registry}` so engines register themselves")
+    return resolved
+
+
+def check_fleet_engines(fleet: Any, config: SyncConfig) -> None:
+    if config.engines and not getattr(fleet, "takes_engines", False):
+        raise ConfigError(f"`engines` lists a static fleet, but `fleet` is {fleet.name!r}, whose "
+                          f"members register themselves; drop the `engines` list (or use the "
+                          f"static fleet)")
+
+
+def check_pause_mode(mode: str | None, adapter: type[Adapter]) -> None:
+    if mode is not None and mode not in adapter.pause_modes:
+        raise ConfigError(f"pause_mode {mode!r} is not supported by adapter {adapter.name!r}; "
+                          f"use one of {list(adapter.pause_modes)}")
 
 
 def check_combination(adapter: type[Adapter], options: Any, transport: type[Transport],

@@ -1,4 +1,4 @@
-"""The four registration hooks. Hooks are for assembly only; nothing here runs per bucket."""
+"""The registration hooks. Hooks are for assembly only; nothing here runs per bucket."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 if TYPE_CHECKING:
-    from .interfaces import Adapter, Encoding, Exporter, Transport
+    from .interfaces import Adapter, Encoding, Exporter, Fleet, PeerSource, Transport
 
 
 @hookspec
@@ -32,3 +32,13 @@ def register_transports(register: Callable[[type[Transport]], None]) -> None:
 @hookspec
 def register_adapters(register: Callable[[type[Adapter]], None]) -> None:
     """Register adapters that speak one engine's weight-update control protocol."""
+
+
+@hookspec
+def register_fleets(register: Callable[[type[Fleet]], None]) -> None:
+    """Register fleet sources: where the members of a sync come from (static, registry, Ray...)."""
+
+
+@hookspec
+def register_peer_sources(register: Callable[[type[PeerSource]], None]) -> None:
+    """Register peer sources: how a joining member fetches a current member's bytes (HTTP, RDMA)."""

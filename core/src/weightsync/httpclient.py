@@ -23,6 +23,14 @@ class Parts:
         return iter(self.parts)
 
 
+def session_for(engine: Any) -> requests.Session:
+    """A session for one engine: its TLS verification (`EngineSpec.verify`: true, a CA bundle,
+    or false) applies to every call."""
+    s = requests.Session()
+    s.verify = getattr(engine, "verify", True)
+    return s
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -43,7 +51,8 @@ def error_text(resp: requests.Response) -> str:
 def call(session: requests.Session, engine: str, method: str, url: str, *, timeout: float,
          ok: Iterable[int] = (200,), **kwargs: Any) -> requests.Response:
     """Send one request; raise EngineUnavailable when nobody answers, EngineError on a refusal."""
-    try:
+    kwargs.setdefault("verify", session.verify)   # requests lets $REQUESTS_CA_BUNDLE override a
+    try:                                          # session's own verify: pass it per request
         resp = session.request(method, url, timeout=timeout, **kwargs)
     except requests.Timeout:
         raise EngineUnavailable(engine, f"{method} {url} got no answer within {timeout:g}s") from None

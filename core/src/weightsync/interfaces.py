@@ -4,6 +4,7 @@ a pydantic `Options` model; the orchestrator builds it from config and calls it 
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
@@ -11,6 +12,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from .bucket import Bucket, TensorSpec
+from .errors import PayloadError
 
 if TYPE_CHECKING:
     from .config import EngineSpec
@@ -21,6 +23,19 @@ Alloc = Callable[[int], torch.Tensor]   # nbytes -> a uint8 buffer the payload i
 
 class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Bounded:
+    """Something whose waits must end by the push's deadline (set by the pipeline per push)."""
+
+    deadline: float | None = None        # time.monotonic() by which the push must be over
+
+    def bounded(self, seconds: float) -> float:
+        """`seconds`, cut to what is left before the deadline (at least 0.05 s, so a call that
+        starts right at the deadline fails fast instead of not being made)."""
+        if self.deadline is None:
+            return seconds
+        return max(0.05, min(seconds, self.deadline - time.monotonic()))
 
 
 class Component(abc.ABC):
@@ -47,6 +62,7 @@ class Payload:
     specs: list[TensorSpec]          # those tensors
     body: torch.Tensor               # uint8, contiguous, CPU or CUDA
     meta: dict[str, Any] = field(default_factory=dict)
+    sig: str | None = None           # HMAC of what the header claims (weightsync.signing)
 
     @property
     def logical_bytes(self) -> int:
@@ -60,15 +76,44 @@ class Payload:
         h = {"index": self.index, "last": self.last, "encoding": self.encoding,
              "digest": self.digest, "tensors": [s.to_json() for s in self.specs],
              "nbytes": self.wire_bytes, "meta": self.meta}
+        if self.sig is not None:
+            h["sig"] = self.sig
         if transport:
             h["transport"] = transport
         return h
 
     @classmethod
     def from_header(cls, header: Mapping[str, Any], body: torch.Tensor) -> "Payload":
-        specs = [TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in header["tensors"]]
-        return cls(int(header["index"]), bool(header["last"]), str(header["encoding"]),
-                   str(header["digest"]), specs, body, dict(header.get("meta") or {}))
+        """The payload a received JSON header describes, every field's type checked (a header
+        comes from the network: `true` is not bucket 1, `2.0` is not a dimension)."""
+        def bad(what: str) -> PayloadError:
+            return PayloadError(f"payload header: {what}; the payload is malformed or corrupted")
+        if not isinstance(header, Mapping):
+            raise bad("not a JSON object")
+        index, last, tensors = header.get("index"), header.get("last"), header.get("tensors")
+        if not _is_int(index) or index < 0:
+            raise bad(f"'index' must be a non-negative integer, not {index!r}")
+        if not isinstance(last, bool):
+            raise bad(f"'last' must be true or false, not {last!r}")
+        for key in ("encoding", "digest"):
+            if not isinstance(header.get(key), str):
+                raise bad(f"{key!r} must be a string, not {header.get(key)!r}")
+        meta = header.get("meta") or {}
+        if not isinstance(tensors, list) or not isinstance(meta, Mapping):
+            raise bad("'tensors' must be a list and 'meta' an object")
+        specs = []
+        for t in tensors:
+            if not (isinstance(t, Mapping) and isinstance(t.get("name"), str)
+                    and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+                    and all(_is_int(d) and d >= 0 for d in t["shape"])):
+                raise bad(f"tensor entry {t!r} needs a string name and dtype and a shape of "
+                          f"non-negative integers")
+            specs.append(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])))
+        return cls(index, last, header["encoding"], header["digest"], specs, body, dict(meta))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class Exporter(Component):
@@ -106,6 +151,12 @@ class Encoding(Component):
         """Receiver side, before any decode: the version the engine holds now, so an encoding
         whose payloads are made against a base version (delta) can refuse any other base."""
 
+    def base(self) -> int | None:
+        """Sender side, after begin(): the version an engine must hold to apply this sync's
+        payloads (a delta's base), or None when they apply to any version. Engines at another
+        version are caught up with whole tensors in the same push."""
+        return None
+
 
 Render = Callable[[dict[str, Any], torch.Tensor], tuple[list[Any], str]]
 
@@ -140,7 +191,7 @@ class TransportReceiver(abc.ABC):
         """Release every resource (segments, groups)."""
 
 
-class Transport(Component):
+class Transport(Bounded, Component):
     """Carries payloads from the sender to every engine. `requires` names the adapter capability
     it uses to reach the engine: "http" (payload POSTed to an endpoint the adapter gives),
     "announce" (bytes placed out of band, the adapter announces them), "group" (a collective
@@ -182,10 +233,24 @@ class EngineStatus:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class Adapter(Component):
-    """Speaks one engine's control protocol. One instance per engine."""
+class Adapter(Bounded, Component):
+    """Speaks one engine's control protocol. One instance per engine.
+
+    Round protocol: `begin` opens the engine's one live round (engines that support it return a
+    round id the adapter then sends with every call, and hold it under a lease the pipeline keeps
+    alive through `renew`); `end` returns digests; `commit` or `abort` closes it."""
 
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    staging: ClassVar[bool] = True
+    """True: the engine stages a whole round and applies it at commit, so it keeps generating
+    during the transfer and is paused only around the swap. False: it applies as it receives
+    (SGLang's and LMDeploy's own routes), so it is paused before the first payload."""
+    verification: ClassVar[str] = "digest"
+    """"digest": `end()` returns digests the engine computed over the bytes it staged.
+    "ack": the engine only acknowledges; the outcome is `acknowledged` unless `confirm()` read
+    back what the engine holds."""
+    leases: ClassVar[bool] = False
+    """True when the engine holds rounds and pauses under a lease that `renew` extends."""
     encodings: ClassVar[frozenset[str] | None] = None   # None: weightsync's receiver decodes any
     pause_modes: ClassVar[tuple[str, ...]] = ("abort", "keep")
     ordered_announces: ClassVar[bool] = False
@@ -236,6 +301,22 @@ class Adapter(Component):
     def abort(self) -> None:
         """Drop whatever was staged; the engine stays at its previous version."""
 
+    lease: float = 10.0
+    """Seconds the engine keeps this trainer's round (and a pause it took) without renewal; set
+    by the pipeline from `sync.lease`."""
+
+    def renew(self) -> None:
+        """Extend the lease of the open round and of a pause (engines with `leases`)."""
+
+    def observe(self, payload: Payload) -> None:
+        """Each payload sent to this engine, while its body is still valid: an acknowledging
+        adapter keeps what `confirm` needs (a few sampled values)."""
+
+    def confirm(self, version: int) -> bool:
+        """After commit: check what the engine now holds against what was sent. True: checked
+        and equal (the outcome is `verified`); False: not checked; raise on a mismatch."""
+        return False
+
     def payload_endpoint(self) -> Endpoint:
         raise NotImplementedError(f"adapter {self.name!r} has no HTTP payload endpoint")
 
@@ -259,5 +340,68 @@ class Adapter(Component):
     def leave_group(self, info: Mapping[str, Any]) -> None:
         """Best effort: ask the engine to destroy the group."""
 
+    def share(self, token: str, ttl: float) -> dict[str, Any]:
+        """Capability "peer": let a joiner holding `token` pull this engine's current weights
+        for `ttl` seconds; returns what the joiner needs besides url and token (the source)."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot serve its weights to peers")
+
+    def pull(self, peer: Mapping[str, Any]) -> int:
+        """Capability "pull": the engine fetches the current version from `peer` (url, token,
+        source), checks every digest and commits it; returns the version it holds."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot pull from peers")
+
     def close(self) -> None:
         """Release connections."""
+
+
+@dataclass
+class Member:
+    """One engine a fleet says a push must reach: a name, and the adapter spec built from its
+    registration (or its config entry)."""
+
+    name: str
+    spec: "EngineSpec"                          # url, api_key, adapter kind and options
+    version: int | None = None                  # last version the fleet heard of (None: unknown)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Fleet(Component):
+    """Where the members of a sync come from: a static list, a registry members join at run
+    time, Ray, a third party's Kubernetes. The pipeline asks it for the live members at the
+    start of every push and tells it what the push did; nothing more."""
+
+    takes_engines: ClassVar[bool] = False
+    """True when the fleet is (or starts from) the config's `engines:` list."""
+
+    def open(self, components: Any, default_adapter: Any) -> None:
+        """Start whatever the fleet runs (a registry service); `default_adapter` is the config's
+        adapter reference for members that name none."""
+
+    @abc.abstractmethod
+    def members(self) -> list[Member]:
+        """The members a push starting now must reach."""
+
+    def excluded(self) -> dict[str, str]:
+        """Known members that are not in `members()` right now, and why."""
+        return {}
+
+    def synced(self, version: int, versions: Mapping[str, int | None]) -> None:
+        """A push of `version` ended; `versions` is what each member holds now."""
+
+    def close(self) -> None:
+        """Stop what `open` started."""
+
+
+class PeerSource(Component):
+    """How a joining member fetches a current member's weights: a JSON manifest (version,
+    buckets with their tensors and digests) and one payload per bucket. HTTP is built in; a
+    plugin can carry the bytes another way (RDMA) by registering its own source under another
+    name, which peers then advertise."""
+
+    @abc.abstractmethod
+    def manifest(self, peer: Mapping[str, Any]) -> dict[str, Any]:
+        """The peer's manifest. `peer` is what the registry handed out: url, token, source."""
+
+    @abc.abstractmethod
+    def bucket(self, peer: Mapping[str, Any], index: int) -> tuple[dict[str, Any], memoryview]:
+        """One payload: its header (index, last, encoding, digest, tensors, nbytes, version) and body."""

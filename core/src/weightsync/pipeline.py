@@ -1,65 +1,72 @@
 """WeightSync: runs one sync. It only orchestrates: which engines, in which order, what to do when
-one fails. Endpoints live in adapters, bytes in encodings, carrying in transports."""
+one fails. Endpoints live in adapters, bytes in encodings, carrying in transports, the steps of
+one round in `rounds`, the data path in `stream`."""
 
 from __future__ import annotations
 
+import json
 import logging
-import queue
-import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
-from .config import ResolvedConfig, SyncConfig, resolve
-from .errors import EngineUnreachable, SyncError, WeightSyncError
-from .interfaces import Adapter, NameMap, Payload
+from .config import ComponentRef, ResolvedConfig, SyncConfig, check_pause_mode, plan_engine, resolve
+from .errors import SyncError, WeightSyncError
+from .interfaces import Adapter, Encoding, Member, NameMap
 from .plugins import Components, load_components
 from .report import EngineOutcome, SyncReport
+from .rounds import Calls, Clock, Renewer, Round
+from .stream import Stream
 
-log = logging.getLogger(__name__)
-_DONE = object()
+log = logging.getLogger("weightsync.pipeline")
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _is_follower() -> bool:
     """In a multi-rank trainer only rank 0 sends; the others still run the exporter, because
     gathering DTensor shards is a collective every rank must join."""
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+    dist = _dist()
+    return dist is not None and dist.get_rank() != 0
 
 
-def _model_bytes(model: Any) -> int | None:
-    if isinstance(model, torch.nn.Module):
-        return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    if isinstance(model, Mapping):
-        return sum(t.numel() * t.element_size() for t in model.values())
-    return None
+def _share_report(report: SyncReport | None) -> SyncReport:
+    """Rank 0's report on every rank of the trainer's default group, as JSON bytes in a tensor
+    broadcast (no pickle). Every rank calls this once per push, rank 0 with its report."""
+    dist = _dist()
+    assert dist is not None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    if report is not None:
+        data = json.dumps(report.to_json()).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    if report is not None:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, 0)
+    if report is not None:
+        return report
+    out = SyncReport.from_json(json.loads(bytes(buf.cpu().numpy())))
+    out.rank = dist.get_rank()
+    return out
 
 
-class _Progress:
-    """A rich progress bar when interactive (or asked for), silent otherwise."""
-
-    def __init__(self, setting: str, total: int | None, version: int) -> None:
-        show = setting == "on" or (setting == "auto" and sys.stderr.isatty())
-        self.bar = None
-        if show:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-            self.bar = Progress("[progress.description]{task.description}", BarColumn(),
-                                DownloadColumn(), TransferSpeedColumn(), transient=True)
-            self.bar.start()
-            self.task = self.bar.add_task(f"sync v{version}", total=total)
-
-    def advance(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task, n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+def _share_int(value: int | None) -> int:
+    """Rank 0's `value` on every rank of the trainer's default group."""
+    dist = _dist()
+    assert dist is not None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value if value is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(t, 0)
+    return int(t.item())
 
 
 class WeightSync:
@@ -73,10 +80,20 @@ class WeightSync:
         self.exporter = r.exporter_cls(r.exporter_options)
         self.encoding = r.encoding_cls(r.encoding_options)
         self.transport = r.transport_cls(r.transport_options)
-        self.adapters: list[Adapter] = [p.adapter_cls(p.adapter_options, p.spec) for p in r.engines]
+        self._adapters: dict[str, tuple[str, Adapter]] = {}
+        for p in r.engines:
+            self._adapters[p.spec.name or p.spec.url] = (p.spec.model_dump_json(),
+                                                         p.adapter_cls(p.adapter_options, p.spec))
+        self.fleet = r.fleet_cls(r.fleet_options, engines=[p.spec for p in r.engines])
+        self.fleet.open(components, resolved.config.adapter)
         self.last_version: int | None = None
-        self._pool = ThreadPoolExecutor(max_workers=max(4, len(self.adapters)),
-                                        thread_name_prefix="ws-ctl")
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ws-ctl")
+        self._catch_up: Encoding | None = None
+        self._last_members: set[str] | None = None
+        from .metrics import Metrics
+        from .signing import load_key
+        self._key = load_key(None, self.settings.hmac_key_file)
+        self.metrics = Metrics(self.settings.metrics)
 
     @classmethod
     def from_config(cls, source: "str | Path | Mapping[str, Any] | SyncConfig", *,
@@ -92,254 +109,233 @@ class WeightSync:
 
     def close(self) -> None:
         self.transport.close()
-        for a in self.adapters:
+        for _, a in self._adapters.values():
             a.close()
+        self.fleet.close()
+        self.metrics.close()
         self._pool.shutdown(wait=False)
 
-    # -- helpers -----------------------------------------------------------------------------
-    def _each(self, adapters: Sequence[Adapter], fn: Callable[[Adapter], Any]) -> tuple[dict[str, Any], dict[str, BaseException]]:
-        futures = {a.engine_name: self._pool.submit(fn, a) for a in adapters}
-        results, failures = {}, {}
-        for name, f in futures.items():
-            try:
-                results[name] = f.result()
-            except BaseException as e:  # noqa: BLE001 - recorded per engine, never swallowed
-                failures[name] = e
-        return results, failures
+    @property
+    def adapters(self) -> list[Adapter]:
+        """The adapters of the members seen so far (the config's engines for a static fleet)."""
+        return [a for _, a in self._adapters.values()]
 
-    def _drop(self, report: SyncReport, active: list[Adapter], failures: Mapping[str, BaseException],
-              stage: str, begun: bool) -> list[Adapter]:
-        if not failures:
-            return active
-        dropped = [a for a in active if a.engine_name in failures]
-        for a in dropped:
-            o = report.engines[a.engine_name]
-            o.ok, o.stage, o.error = False, stage, str(failures[a.engine_name])
-            log.info("engine %s failed at %s: %s", a.engine_name, stage, failures[a.engine_name])
-        if begun:
-            self._each(dropped, lambda a: a.abort())  # best effort: a dead engine cannot answer
-        return [a for a in active if a.engine_name not in failures]
+    @property
+    def fleet_url(self) -> str | None:
+        """Where members register, for a registry fleet."""
+        return getattr(self.fleet, "url", None)
+
+    def _adapter(self, m: Member) -> Adapter:
+        key = m.spec.model_dump_json()
+        hit = self._adapters.get(m.name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        r = self.resolved
+        plan = plan_engine(m.spec, r.config.adapter, r.transport_cls, r.encoding_cls, self.components)
+        check_pause_mode(self.settings.pause_mode, plan.adapter_cls)
+        if hit is not None:
+            hit[1].close()
+        a = plan.adapter_cls(plan.adapter_options, plan.spec)
+        self._adapters[m.name] = (key, a)
+        return a
+
+    def members(self, report: SyncReport | None = None) -> list[Adapter]:
+        """The engines this push must reach (the fleet's live members); with `report`, who
+        joined, left and was excluded is written into it."""
+        out: list[Adapter] = []
+        excluded = dict(self.fleet.excluded())
+        for m in self.fleet.members():
+            try:
+                out.append(self._adapter(m))
+            except WeightSyncError as e:       # an adapter that cannot take this transport
+                excluded[m.name] = str(e)
+        if report is not None:
+            names = {a.engine_name for a in out}
+            if self._last_members is not None:
+                report.joined = sorted(names - self._last_members)
+                report.left = sorted(self._last_members - names - set(excluded))
+            report.excluded = excluded
+            self._last_members = names
+        return out
 
     # -- the sync ----------------------------------------------------------------------------
     def push(self, model: Any, version: int, *, name_map: NameMap | None = None) -> SyncReport:
         """Send `model` to every engine as weight version `version`; verify; return the report.
-        Raises SyncError (with `.report`) when an engine did not end verified at `version`."""
+        Raises SyncError (with `.report`) when an engine did not end at `version`."""
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"version {version} is not newer than the last pushed version "
                              f"{self.last_version}; versions must grow with every sync")
         if _is_follower():
-            for _ in self.exporter.buckets(model, name_map=name_map):
-                pass
-            self.last_version = version
-            return SyncReport(version=version, verified=True)
-        report = SyncReport(version=version)
-        t_start = time.perf_counter()
-        stage_t: dict[str, float] = {}
-
-        @contextmanager
-        def timed(stage: str) -> Iterator[None]:
-            t0 = time.perf_counter()
+            # rank 0 says how many times it runs the exporter this push (a catch-up round is a
+            # second pass; a sync that failed before exporting, none): gathers are collectives
+            for _ in range(_share_int(None)):
+                for _ in self.exporter.buckets(model, name_map=name_map):
+                    pass
+            report = _share_report(None)
+            if any(o.ok for o in report.engines.values()) or report.published:
+                self.last_version = version
+        else:
             try:
-                yield
-            finally:
-                stage_t[stage] = stage_t.get(stage, 0.0) + time.perf_counter() - t0
+                report = self._lead(model, version, name_map)
+            except SyncError as e:            # no engine could take it: still logged and counted
+                if isinstance(e.report, SyncReport):
+                    log.info("%s", e.report.summary().splitlines()[0])
+                    self.metrics.record(e.report)
+                raise
+        log.info("%s", report.summary().splitlines()[0])
+        self.metrics.record(report)
+        log.debug("push v%d stages: %s", version, {k: round(v, 4) for k, v in report.seconds.items()})
+        if not report.ok:
+            msg = (f"sync of version {version} failed for {len(report.failed)} of "
+                   f"{len(report.engines)} engines:\n  " + "\n  ".join(
+                       f"{o.engine} at {o.stage}: {o.error}" for o in report.engines.values() if not o.ok))
+            if self.settings.failure_policy == "raise" or not any(o.ok for o in report.engines.values()):
+                raise SyncError(msg, report)
+            log.warning(msg)
+        return report
 
-        if self.transport.publish_only:
-            return self._publish(model, version, name_map, report, timed, t_start, stage_t)
-        active = list(self.adapters)
-        with timed("health"):
-            statuses, fails = self._each(active, lambda a: a.health())
-        for a in self.adapters:
+    def _lead(self, model: Any, version: int, name_map: NameMap | None) -> SyncReport:
+        """Rank 0 (or a single-process trainer): run the sync; share the report with followers."""
+        report = SyncReport(version=version)
+        clock = Clock(self.settings.deadline)
+        self._announced, self._passes, self._passes_run = False, 0, 0
+        try:
+            if self.transport.publish_only:
+                self._announce(1)
+                self._publish(model, version, name_map, report, clock)
+            else:
+                self._sync(model, version, name_map, report, clock)
+        finally:
+            report.seconds = {**clock.stages, "total": clock.since()}
+            if _dist() is not None:
+                self._announce(0)
+                # a failure between the announcement and an exporter pass: the followers are
+                # gathering already, so rank 0 still runs the passes it announced
+                for _ in range(self._passes - self._passes_run):
+                    for _ in self.exporter.buckets(model, name_map=name_map):
+                        pass
+                _share_report(report)
+        return report
+
+    def _announce(self, passes: int) -> None:
+        """Tell follower ranks how many exporter passes this push runs (once per push)."""
+        if _dist() is not None and not self._announced:
+            _share_int(passes)
+            self._passes = passes
+        self._announced = True
+
+    def _pass_started(self) -> None:
+        self._passes_run += 1
+
+    def _bound(self, adapters: list[Adapter], clock: Clock) -> None:
+        for a in adapters:
+            a.deadline, a.lease = clock.deadline, self.settings.lease
+        self.transport.deadline = clock.deadline
+
+    def _sync(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,
+              clock: Clock) -> None:
+        engines = self.members(report)
+        self._bound(engines, clock)
+        calls = Calls(self._pool, clock)
+        with clock.timed("health"):
+            statuses, fails = calls.each(engines, lambda a: a.health())
+        for a in engines:
             st = statuses.get(a.engine_name)
             report.engines[a.engine_name] = EngineOutcome(a.engine_name, True, st.version if st else None)
             if st is not None and st.version >= version:
                 fails[a.engine_name] = WeightSyncError(
                     f"engine is already at version {st.version}; push a version above it")
-        active = self._drop(report, active, fails, "health", begun=False)
-        if not active:
-            report.seconds = {**stage_t, "total": time.perf_counter() - t_start}
+        for name, err in fails.items():
+            report.engines[name].fail("health", str(err))
+            report.engines[name].seconds = clock.since()
+        live = [a for a in engines if a.engine_name not in fails]
+        if not live:
+            why = [f"{o.engine}: {o.error}" for o in report.engines.values()]
+            why += [f"{n}: excluded: {e}" for n, e in report.excluded.items()]
             raise SyncError("no engine could take the sync:\n  " + "\n  ".join(
-                f"{o.engine}: {o.error}" for o in report.engines.values()), report)
+                why or ["the fleet has no members: no engine is registered or listed"]), report)
 
-        mode = self.settings.pause_mode
-        t_pause = time.perf_counter()
-        with timed("pause"):
-            _, fails = self._each(active, lambda a: a.pause(mode or a.pause_modes[0]))
-        paused = [a for a in active if a.engine_name not in fails]
-        active = self._drop(report, active, fails, "pause", begun=False)
+        self.encoding.begin(version)
+        base = self.encoding.base()
+        main = [a for a in live if base is None or statuses[a.engine_name].version == base]
+        behind = [a for a in live if a not in main]
+        self._announce(2 if behind else 1)
+        renewer = Renewer(self.settings.lease)
         try:
-            self._transfer(model, version, name_map, report, active, timed)
-        finally:
-            with timed("resume"):
-                _, fails = self._each(paused, _resume)
-            report.pause_window = time.perf_counter() - t_pause
-            for name, err in fails.items():
-                log.warning("engine %s did not resume: %s", name, err)
-            report.seconds = {**stage_t, "total": time.perf_counter() - t_start}
-        committed = [o for o in report.engines.values() if o.ok]
-        if committed:
-            self.encoding.commit(version)
-            self.last_version = version
+            done = self._round(self.encoding, main, model, name_map, report, clock, calls, renewer,
+                               mode="engines" if main else "encode")
+        except BaseException:
+            self.encoding.rollback()
+            renewer.close()
+            raise
+        if done or (not main and behind):
+            self.encoding.commit(version)   # the encoding's base moves on with the engines
         else:
             self.encoding.rollback()
-        if not report.ok:
-            msg = f"sync of version {version} failed for {len(report.failed)} of {len(report.engines)} engines:\n  " + \
-                "\n  ".join(f"{o.engine} at {o.stage}: {o.error}" for o in report.engines.values() if not o.ok)
-            if self.settings.failure_policy == "raise" or not committed:
-                raise SyncError(msg, report)
-            log.warning(msg)
-        return report
+        try:
+            if behind:                      # whole tensors for engines that lack the base
+                log.info("catching up %s (at versions %s) with whole tensors",
+                         [a.engine_name for a in behind],
+                         [statuses[a.engine_name].version for a in behind])
+                self._round(self._raw(), behind, model, name_map, report, clock, calls, renewer,
+                            caught_up=True, count=not main)
+        finally:
+            renewer.close()
+        if any(o.ok for o in report.engines.values()):
+            self.last_version = version
+        report.verified = bool(report.engines) and all(o.status == "verified"
+                                                       for o in report.engines.values())
+        try:
+            self.fleet.synced(version, report.versions())
+        except WeightSyncError as e:
+            log.warning("telling the fleet about version %d failed: %s", version, e)
+
+    def _raw(self) -> Encoding:
+        if self._catch_up is None:
+            cls = self.components.encodings.get("raw")
+            self._catch_up = cls(cls.Options())
+        return self._catch_up
+
+    def _round(self, encoding: Encoding, engines: list[Adapter], model: Any,
+               name_map: NameMap | None, report: SyncReport, clock: Clock, calls: Calls,
+               renewer: Renewer, *, mode: str = "engines", caught_up: bool = False,
+               count: bool = True) -> list[Adapter]:
+        r = self.resolved
+        plan = {"transport": r.transport_cls.describe(r.transport_options),
+                "encoding": (r.encoding_cls.describe(r.encoding_options) if encoding is self.encoding
+                             else ComponentRef(kind=encoding.name).model_dump())}
+        stream = Stream(self.exporter, encoding, self.transport, self.settings.max_inflight_buckets,
+                        self.settings.progress, clock.timed, self._key, self._pass_started)
+        rnd = Round(self.settings, stream, encoding, self.transport, plan, calls, clock, report,
+                    renewer, caught_up=caught_up)
+        done = rnd.run(model, name_map, engines, mode=mode, count=count)
+        if count:
+            report.digests = dict(rnd.digests)
+        return done
 
     def _publish(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,
-                 timed: Callable[[str], Any], t_start: float, stage_t: dict[str, float]) -> SyncReport:
-        """Publish-only transports: no engine is paused or told anything; receivers pull."""
+                 clock: Clock) -> None:
+        """Publish-only transports: no engine is paused or told anything; receivers pull and
+        check every digest themselves, so the report says published, not verified."""
+        self.transport.deadline = clock.deadline
         self.encoding.begin(version)
         try:
-            with timed("open"):
+            with clock.timed("open"):
                 self.transport.open([], version)
-            self._stream(model, name_map, report, [], timed, publish=True)
-            with timed("finish"):
+            stream = Stream(self.exporter, self.encoding, self.transport,
+                            self.settings.max_inflight_buckets, self.settings.progress, clock.timed,
+                            self._key, self._pass_started)
+            stream.run(model, name_map, report, [], lambda a, f, s: a, report.digests, mode="publish")
+            with clock.timed("finish"):
                 fails = self.transport.finish([])
             if fails:
                 raise SyncError(f"publishing version {version} failed: {fails}", report)
         except BaseException:
             self.encoding.rollback()
             raise
-        finally:
-            report.seconds = {**stage_t, "total": time.perf_counter() - t_start}
         self.encoding.commit(version)
         self.last_version = version
-        report.verified = True   # digests are in the published manifest; pullers check them
-        return report
-
-    def _transfer(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,
-                  active: list[Adapter], timed: Callable[[str], Any]) -> None:
-        r = self.resolved
-        plan = {"transport": r.transport_cls.describe(r.transport_options),
-                "encoding": r.encoding_cls.describe(r.encoding_options)}
-        self.encoding.begin(version)
-        begun: list[Adapter] = []
-        try:
-            with timed("begin"):
-                _, fails = self._each(active, lambda a: a.begin(version, plan))
-            begun = [a for a in active if a.engine_name not in fails]
-            active = self._drop(report, active, fails, "begin", begun=False)
-            with timed("open"):
-                fails = self.transport.open(active, version)
-            active = self._drop(report, active, fails, "open", begun=True)
-            active = self._stream(model, name_map, report, active, timed)
-            with timed("finish"):
-                fails = self.transport.finish(active)
-            active = self._drop(report, active, fails, "send", begun=True)
-            with timed("verify"):
-                got, fails = self._each(active, lambda a: a.end())
-            for name, digests in got.items():
-                if self.settings.verify and digests != report.digests:
-                    bad = sorted(i for i in set(report.digests) | set(digests)
-                                 if digests.get(i) != report.digests.get(i))
-                    fails[name] = WeightSyncError(
-                        f"digest mismatch in buckets {bad[:10]}: the engine holds different bytes "
-                        f"than were sent; it was not moved to version {version}")
-            active = self._drop(report, active, fails, "verify", begun=True)
-            with timed("commit"):
-                _, fails = self._each(active, lambda a: a.commit(version))
-            active = self._drop(report, active, fails, "commit", begun=False)
-            for a in active:
-                report.engines[a.engine_name].version = version
-            report.verified = bool(active) and self.settings.verify and len(active) == len(report.engines)
-        except BaseException as e:
-            for a in active:
-                o = report.engines[a.engine_name]
-                o.ok, o.stage, o.error = False, "send", f"sync aborted: {type(e).__name__}: {e}"
-            self._each(begun, lambda a: a.abort())
-            if not isinstance(e, (WeightSyncError, ValueError, TypeError)):
-                self.encoding.rollback()   # push() never sees this sync's outcome: forget it here
-                raise
-
-    def _stream(self, model: Any, name_map: NameMap | None, report: SyncReport,
-                active: list[Adapter], timed: Callable[[str], Any], publish: bool = False) -> list[Adapter]:
-        """Export and encode bucket i+1 on a worker thread while bucket i is being sent; at most
-        `max_inflight_buckets` payloads exist at once."""
-        slots = threading.Semaphore(self.settings.max_inflight_buckets)
-        q: queue.Queue = queue.Queue()
-        stop = threading.Event()
-        progress = _Progress(self.settings.progress, _model_bytes(model), report.version)
-        alloc = getattr(self.transport, "alloc", None)
-        changed = elements = 0
-
-        def produce() -> None:
-            try:
-                it = self.exporter.buckets(model, name_map=name_map)
-                while not stop.is_set():
-                    slots.acquire()
-                    with timed("export"):
-                        bucket = next(it, None)
-                    if bucket is None or stop.is_set():
-                        break
-                    with timed("encode"):
-                        payload = self.encoding.encode(bucket, alloc)
-                    q.put(payload)
-                    del bucket, payload
-            except BaseException as e:  # noqa: BLE001 - handed to the sending thread
-                q.put(e)
-                return
-            q.put(_DONE)
-
-        worker = threading.Thread(target=produce, name="ws-export", daemon=True)
-        worker.start()
-        try:
-            while True:
-                item = q.get()
-                if item is _DONE:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                payload: Payload = item
-                report.buckets += 1
-                report.tensors += len(payload.specs)
-                report.logical_bytes += payload.logical_bytes
-                report.wire_bytes += payload.wire_bytes
-                report.digests[payload.index] = payload.digest
-                if "changed_elements" in payload.meta:   # delta encodings say how sparse it was
-                    changed += int(payload.meta["changed_elements"])
-                    elements += sum(s.numel for s in payload.specs)
-                    report.density = changed / max(1, elements)
-                if not (active or publish):
-                    self.transport.discard(payload)      # every engine failed: stop exporting
-                    break
-                with timed("send"):
-                    fails = self.transport.send(payload, active)
-                active = self._drop(report, active, fails, "send", begun=True)
-                progress.advance(payload.logical_bytes)
-                del payload, item
-                slots.release()
-            if report.buckets == 0:
-                raise ValueError("the model has no tensors to send")
-        finally:
-            stop.set()
-            slots.release()
-            while worker.is_alive() or not q.empty():   # payloads never sent give their buffers back
-                try:
-                    left = q.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if isinstance(left, Payload):
-                    self.transport.discard(left)
-                slots.release()
-            worker.join()
-            progress.close()
-        return active
+        report.published = True
 
 
-def _resume(adapter: Adapter, attempts: int = 4, backoff: float = 0.25) -> None:
-    """Resume is idempotent and the one call that must not be lost (a paused engine serves no
-    one), so a connection that fails before any answer (an engine closing an idle keep-alive
-    socket just as it is reused) is retried on a fresh one. A refusal or a timeout is not."""
-    for k in range(attempts):
-        try:
-            adapter.resume()
-            return
-        except EngineUnreachable:
-            if k == attempts - 1:
-                raise
-            time.sleep(backoff * 2 ** k)
+__all__ = ["WeightSync"]

@@ -1,4 +1,4 @@
-"""The plugin manager: built-ins and entry-point plugins go through the same four hooks."""
+"""The plugin manager: built-ins and entry-point plugins go through the same hooks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pluggy
 
 from . import hookspecs
 from .hookspecs import PROJECT
-from .interfaces import Adapter, Encoding, Exporter, Transport
+from .interfaces import Adapter, Encoding, Exporter, Fleet, PeerSource, Transport
 from .errors import PluginError
 from .registry import Registry
 
@@ -32,7 +32,7 @@ def _env_list(name: str) -> set[str] | None:
 
 @dataclass
 class Components:
-    """The four registries, filled once by calling the registration hooks."""
+    """The registries, filled once by calling the registration hooks."""
 
     pm: pluggy.PluginManager
     failed: dict[str, str]
@@ -40,16 +40,22 @@ class Components:
     encodings: Registry[Encoding] = field(init=False)
     transports: Registry[Transport] = field(init=False)
     adapters: Registry[Adapter] = field(init=False)
+    fleets: Registry[Fleet] = field(init=False)
+    peer_sources: Registry[PeerSource] = field(init=False)
 
     def __post_init__(self) -> None:
         self.exporters = Registry("exporter", Exporter, self.failed)
         self.encodings = Registry("encoding", Encoding, self.failed)
         self.transports = Registry("transport", Transport, self.failed)
         self.adapters = Registry("adapter", Adapter, self.failed)
+        self.fleets = Registry("fleet", Fleet, self.failed)
+        self.peer_sources = Registry("peer source", PeerSource, self.failed)
         for hook, registry in (("register_exporters", self.exporters),
                                ("register_encodings", self.encodings),
                                ("register_transports", self.transports),
-                               ("register_adapters", self.adapters)):
+                               ("register_adapters", self.adapters),
+                               ("register_fleets", self.fleets),
+                               ("register_peer_sources", self.peer_sources)):
             self._call(hook, registry)
 
     def _call(self, hook: str, registry: Registry[Any]) -> None:
@@ -70,7 +76,8 @@ class Components:
 
     def registry(self, kind: str) -> Registry[Any]:
         return {"exporter": self.exporters, "encoding": self.encodings,
-                "transport": self.transports, "adapter": self.adapters}[kind]
+                "transport": self.transports, "adapter": self.adapters, "fleet": self.fleets,
+                "peer_source": self.peer_sources}[kind]
 
 
 def _load_entrypoints(pm: pluggy.PluginManager, failed: dict[str, str], only: set[str] | None) -> None:
@@ -119,7 +126,7 @@ def describe_plugins(components: Components) -> list[dict[str, Any]]:
     """What `weightsync plugins` prints: each plugin, its distribution, hooks and components."""
     dists = {id(p): d for p, d in components.pm.list_plugin_distributions()}
     by_module: dict[str, list[str]] = {}
-    for kind in ("exporter", "encoding", "transport", "adapter"):
+    for kind in ("exporter", "encoding", "transport", "adapter", "fleet", "peer_source"):
         for name, cls in components.registry(kind).items():
             by_module.setdefault(cls.__module__.split(".")[0], []).append(f"{kind}:{name}")
     out = []

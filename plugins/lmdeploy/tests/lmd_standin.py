@@ -1,7 +1,7 @@
 """STAND-IN FOR AN LMDEPLOY API SERVER. THIS IS NOT LMDEPLOY.
 
 LMDeploy cannot run without CUDA, so the plugin's end-to-end tests run against this server, which
-follows ../../../shared/reference/engine-protocols.md section 3 (LMDeploy) exactly, and uses
+follows the LMDeploy routes of docs/engines.md exactly, and uses
 LMDeploy 0.18.0's own code wherever it imports without CUDA:
   * request bodies are validated with `lmdeploy.serve.openai.protocol` (UpdateParamsRequest,
     InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest,
@@ -14,7 +14,7 @@ LMDeploy 0.18.0's own code wherever it imports without CUDA:
     `func(*args)` and `.clone()` per (rebuild_fn, args) pair, `args[6]` set to the current CUDA
     device for CUDA handles.
 
-Routes (section 3): POST /update_weights (200, body `null`; 500 "Internal Server Error" on any
+Routes (docs/engines.md, LMDeploy): POST /update_weights (200, body `null`; 500 "Internal Server Error" on any
 exception), /init_weights_update_group, /update_weights_from_distributed,
 /destroy_weights_update_group ({"success", "message"}, 200 or 400; 501 on backend turbomind),
 /sleep?level=1|2 and /wakeup?tags=.. (empty 200), GET /is_sleeping. Every POST route requires

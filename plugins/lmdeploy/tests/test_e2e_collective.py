@@ -33,7 +33,8 @@ def test_three_versions_bit_exact_over_gloo(standin: Any, model_factory: Any,
             sd = version_factory(sd, v)
             before = [e.stats() for e in engines]
             report = sync.push(sd, version=v)
-            assert report.ok and report.verified, report.summary()
+            assert report.ok and not report.verified, report.summary()   # LMDeploy only acknowledges
+            assert {o.status for o in report.engines.values()} == {"acknowledged"}
             for e, b in zip(engines, before):
                 s = e.stats()
                 assert s["finished"] == b["finished"] + 1, "finished=true exactly once per sync"

@@ -38,7 +38,8 @@ def test_three_versions_bit_exact(standin: Any, model_factory: Any, version_fact
             sd = version_factory(sd, v)
             calls_before = eng.stats()["update_weights"]
             report = sync.push(sd, version=v)
-            assert report.ok and report.verified, report.summary()
+            assert report.ok and not report.verified, report.summary()   # LMDeploy only acknowledges
+            assert {o.status for o in report.engines.values()} == {"acknowledged"}
             assert report.buckets > 1          # several buckets, so finished must be held back
             stats = eng.stats()
             assert stats["finished"] == finished_before + 1, "finished=true must come exactly once per sync"

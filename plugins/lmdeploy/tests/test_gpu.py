@@ -27,6 +27,7 @@ def test_cuda_ipc_three_versions_bit_exact(standin: Any, model_factory: Any, ver
         for v in (1, 2, 3):
             sd = version_factory(sd, v)
             report = sync.push({k: t.cuda() for k, t in sd.items()}, version=v)
-            assert report.ok and report.verified, report.summary()
+            assert report.ok and not report.verified, report.summary()   # LMDeploy only acknowledges
+            assert {o.status for o in report.engines.values()} == {"acknowledged"}
             got = eng.weights()
             assert all(torch.equal(got[n], t) for n, t in sd.items())

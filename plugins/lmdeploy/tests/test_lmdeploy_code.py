@@ -1,7 +1,7 @@
 """The adapter's bytes and bodies checked against LMDeploy 0.18.0's own code (installed with
 --no-deps by `make test`), imported without CUDA where it can be (see lmd_real.py). Modules that
 cannot be imported are named, with the reason, and checked against their source text or the
-reference doc (engine-protocols.md section 3) instead."""
+LMDeploy routes of docs/engines.md instead."""
 
 from __future__ import annotations
 
@@ -237,14 +237,14 @@ def _management_source() -> tuple[str | None, str]:
 def test_routes_against_lmdeploys_management_module(recorder: Any) -> None:
     """Every route the adapter calls is declared by LMDeploy with that method, and every POST
     route with validate_json_request. management.py imports the engines (mmengine, CUDA), so it
-    is read as source when it cannot be imported; without LMDeploy, the reference doc's routes."""
+    is read as source when it cannot be imported; without LMDeploy, the routes of docs/engines.md."""
     url, seen = recorder
     drive(url)
     used = {(r["method"], r["path"]) for r in seen}
     src, why = _management_source()
     if src is None:
         pytest.skip(reason=f"lmdeploy.serve.openai.endpoints.management unavailable ({why}); "
-                           f"the stand-in server checks these routes against the reference doc")
+                           f"the stand-in server checks these routes against docs/engines.md")
     declared = {(m.upper(), p): deps for m, p, deps in
                 re.findall(r"@router\.(get|post)\(\s*'([^']+)'\s*,?\s*(dependencies=\[[^\]]*\])?", src)}
     for method, path in used:

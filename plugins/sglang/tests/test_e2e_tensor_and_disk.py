@@ -1,5 +1,5 @@
 """End to end against the SGLang stand-in (a real server process that follows
-engine-protocols.md section 1): /update_weights_from_tensor through transport `sglang_tensor`,
+docs/engines.md, SGLang): /update_weights_from_tensor through transport `sglang_tensor`,
 and /update_weights_from_disk through `load_from_disk`, three versions bit-exact each."""
 
 from __future__ import annotations
@@ -117,3 +117,24 @@ def test_cast_encoding_feeds_a_bf16_engine_from_fp32_weights(start_standin, tmp_
     assert report.ok and report.verified, report.summary()
     _assert_holds(engine, {n: (t.to(torch.bfloat16) if t.is_floating_point() else t)
                            for n, t in new.items()})
+
+
+def test_outcome_is_acknowledged_without_readback_and_readback_catches_wrong_values(
+        start_standin, model_sd) -> None:
+    """SGLang cannot hash what it loaded: without read-back the outcome says `acknowledged`, not
+    `verified`; with read-back (the default) a load that landed other values fails the engine."""
+    import requests
+    eng = start_standin()
+    sd = perturb(model_sd, 1)
+    spec = {**eng.spec(), "options": {"readback": False}}
+    with WeightSync.from_config(_config([spec])) as sync:
+        r = sync.push(sd, version=1)
+        assert r.ok and not r.verified and r.engines[eng.name].status == "acknowledged"
+        assert "1 acknowledged" in r.summary()
+    requests.post(eng.url + "/standin/corrupt_loads", json={"on": True}, timeout=10).raise_for_status()
+    with WeightSync.from_config(_config([eng.spec()])) as sync, pytest.raises(SyncError) as err:
+        sync.push(perturb(sd, 2), version=2)
+    r = err.value.report
+    o = r.engines[eng.name]
+    assert not r.ok and o.status == "failed" and o.stage == "confirm", r.summary()
+    assert "read back through /get_weights_by_name differs" in o.error

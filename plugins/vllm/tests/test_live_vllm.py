@@ -217,3 +217,62 @@ class TestVllmAdapterContract(AdapterContract):
 
     def make_model(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self._model.items()}
+
+
+_DYING_TRAINER = """
+import json, sys, time, torch
+from safetensors.torch import load_file
+from weightsync import WeightSync
+cfg = json.loads(sys.argv[1])
+sd = load_file(sys.argv[2])
+def slow():
+    for n, t in sd.items():
+        time.sleep(0.1)
+        yield n, t
+with WeightSync.from_config(cfg) as sync:
+    print("pushing", flush=True)
+    sync.push(slow(), version=int(sys.argv[3]))
+"""
+
+
+def test_a_killed_trainers_round_lapses_in_vllm_too(live: Live, tmp_path: Path) -> None:
+    """The backend holds the round under the trainer's lease: the trainer is SIGKILLed while it
+    streams (with `pause: sync`, so vLLM is paused); the lease lapses, the backend drops the
+    round, ends vLLM's update session and resumes generation; vLLM serves the old version, and
+    the next trainer's push succeeds."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    v = live.version()
+    before = live.greedy()
+    new = _perturbed(live.original, 77)
+    save_file({n: t.contiguous() for n, t in new.items()}, str(tmp_path / "new.safetensors"))
+    cfg = live.config("http", sync={"progress": "off", "lease": 2.0, "pause": "sync"})
+    p = subprocess.Popen([sys.executable, "-c", _DYING_TRAINER, json.dumps(cfg),
+                          str(tmp_path / "new.safetensors"), str(v + 1)],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert p.stdout.readline().strip() == "pushing"
+        deadline = time.monotonic() + 60
+        while not live.adapter().is_paused() and time.monotonic() < deadline:
+            time.sleep(0.05)                           # it paused vLLM and is streaming
+        assert live.adapter().is_paused()
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        killed = time.monotonic()
+        while live.adapter().is_paused() and time.monotonic() - killed < 2.0 + 10.0:
+            time.sleep(0.1)
+        assert not live.adapter().is_paused(), "vLLM stayed paused after the lease lapsed"
+    finally:
+        if p.poll() is None:
+            p.kill()
+    state = requests.post(live.server.url + "/collective_rpc", headers=live.server.headers(),
+                          json={"method": "weightsync_state", "kwargs": {"digests": False}},
+                          timeout=30).json()["results"][0]
+    assert state["round"] is None and state["lapsed"] >= 1
+    assert live.version() == v and live.greedy() == before
+    report = _push(live, new, v + 1)
+    assert report.ok and live.version() == v + 1
+    _push(live, live.original, v + 2)

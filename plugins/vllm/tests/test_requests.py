@@ -1,5 +1,5 @@
 """Request building and engine-side staging, checked without a server: against vLLM's own
-request classes where vLLM is importable (its CPU build), else against the reference doc."""
+request classes where vLLM is importable (its CPU build), else against the shapes in docs/engines.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Adapter `reference`: drives weightsync's reference engine (`weightsync serve`), and any engine
-that mounts the same routes around weightsync's receiver."""
+that mounts the same routes around weightsync's receiver. The engine stages whole rounds (paused
+only for the swap), hashes what it staged (verified), and holds rounds and pauses under leases
+with round ids (`X-Weightsync-Round`)."""
 
 from __future__ import annotations
 
@@ -9,50 +11,65 @@ import requests
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import EngineError
-from ..httpclient import auth_headers, call, json_of
+from ..httpclient import auth_headers, call, json_of, session_for
 from ..interfaces import Adapter, Endpoint, EngineStatus
+
+
+ROUND_HEADER = "X-Weightsync-Round"
 
 
 class ReferenceOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     timeout: float = Field(30.0, gt=0, description="seconds for control calls")
-    payload_timeout: float = Field(600.0, gt=0, description="seconds for one payload or join")
+    payload_timeout: float = Field(300.0, gt=0, description="seconds for one payload or join")
 
 
 class ReferenceAdapter(Adapter):
     name = "reference"
     Options = ReferenceOptions
-    capabilities = frozenset({"http", "announce", "group", "disk"})
+    capabilities = frozenset({"http", "announce", "group", "disk", "peer", "pull"})
     encodings = None
     pause_modes = ("abort", "keep")
     ordered_announces = True
+    staging = True
+    verification = "digest"
+    leases = True
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)
-        self.session = requests.Session()
+        self.session = session_for(self.engine)
         self.headers = auth_headers(self.engine.api_key)
         self.base = self.engine.url.rstrip("/")
+        self.round_id: str | None = None
+
+    def _headers(self) -> dict[str, str]:
+        return {**self.headers, ROUND_HEADER: self.round_id} if self.round_id else dict(self.headers)
 
     def _post(self, path: str, body: Any = None, timeout: float | None = None) -> Any:
         resp = call(self.session, self.engine_name, "POST", self.base + path,
-                    timeout=timeout or self.options.timeout, json=body if body is not None else {},
-                    headers=self.headers)
+                    timeout=self.bounded(timeout or self.options.timeout),
+                    json=body if body is not None else {}, headers=self._headers())
         return json_of(resp, self.engine_name)
 
     def health(self) -> EngineStatus:
         resp = call(self.session, self.engine_name, "GET", self.base + "/health",
-                    timeout=self.options.timeout, headers=self.headers)
+                    timeout=self.bounded(self.options.timeout), headers=self.headers)
         body = json_of(resp, self.engine_name) or {}
         return EngineStatus(int(body.get("version", 0)), bool(body.get("paused")), body)
 
     def pause(self, mode: str) -> None:
-        self._post("/pause", {"mode": mode})
+        self._post("/pause", {"mode": mode, "lease": self.lease})
 
     def resume(self) -> None:
         self._post("/resume")
 
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
-        self._post("/weightsync/begin", {**plan, "version": version})
+        self.round_id = None
+        body = self._post("/weightsync/begin", {**plan, "version": version, "lease": self.lease}) or {}
+        self.round_id = body.get("round")
+
+    def renew(self) -> None:
+        self._post("/weightsync/renew", {"lease": self.lease}, timeout=max(0.5, self.lease / 3))
 
     def end(self) -> dict[int, str]:
         body = self._post("/weightsync/end", timeout=self.options.payload_timeout) or {}
@@ -63,12 +80,19 @@ class ReferenceAdapter(Adapter):
 
     def commit(self, version: int) -> None:
         self._post("/weightsync/commit", {"version": version}, timeout=self.options.payload_timeout)
+        self.round_id = None
 
     def abort(self) -> None:
-        self._post("/weightsync/abort")
+        if self.round_id is None:            # no round of ours is open there
+            return
+        try:
+            self._post("/weightsync/abort")
+        finally:
+            self.round_id = None
 
     def payload_endpoint(self) -> Endpoint:
-        return Endpoint(self.base + "/weightsync/payload", dict(self.headers), self.options.payload_timeout)
+        return Endpoint(self.base + "/weightsync/payload", self._headers(),
+                        self.bounded(self.options.payload_timeout))
 
     def announce(self, header: Mapping[str, Any]) -> None:
         self._post("/weightsync/announce", dict(header), timeout=self.options.payload_timeout)
@@ -79,6 +103,14 @@ class ReferenceAdapter(Adapter):
     def load_from_disk(self, path: str, version: int) -> None:
         self._post("/weightsync/load_from_disk", {"path": str(path), "version": int(version)},
                    timeout=self.options.payload_timeout)
+
+    def share(self, token: str, ttl: float) -> dict[str, Any]:
+        return self._post("/weightsync/peer/share", {"token": token, "ttl": ttl}) or {}
+
+    def pull(self, peer: Mapping[str, Any]) -> int:
+        body = self._post("/weightsync/pull", {"peer": dict(peer)},
+                          timeout=self.options.payload_timeout) or {}
+        return int(body.get("version", 0))
 
     def close(self) -> None:
         self.session.close()

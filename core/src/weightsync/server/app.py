@@ -1,12 +1,20 @@
-"""HTTP routes of the reference engine (stdlib ThreadingHTTPServer: one thread per request).
+"""HTTP routes of the reference engine (weightsync.httpserver: one thread per connection, keys
+checked before bodies, bodies capped per route, connections capped and timed out).
 
-  GET  /health                      {"status": "ok", "version": v, "paused": mode|null}  (no key needed)
+  GET  /health                      {"status", "version", "weight_version", "paused", "round", "peer"}
+                                    (no key needed)
   GET  /info                        version, model kind, tensors (name -> dtype, shape)
   GET  /weights?name=..             live tensors as safetensors bytes (read-back for checks)
-  POST /generate                    {"input_ids": [...], "max_new_tokens": n} -> output_ids, finish_reason
-  POST /pause                       {"mode": "abort"|"keep"}
+  POST /generate                    {"input_ids": [...], "max_new_tokens": n, "min_version"?: v,
+                                    "exact_version"?: v, "wait"?: s} -> output_ids, finish_reason,
+                                    weight_version; 409 with "weight_version" when no fitting
+                                    version arrived within `wait` seconds
+  POST /pause                       {"mode": "abort"|"keep", "lease": s?}: with a lease the pause
+                                    ends by itself unless renewed
   POST /resume
-  POST /weightsync/begin            {"version": v, "transport": {...}, "encoding": {...}}
+  POST /weightsync/begin            {"version": v, "transport": {...}, "encoding": {...}, "lease": s}
+                                    -> {"round": id, "version": v, "lease": s}; 409 while a round is open
+  POST /weightsync/renew            {"lease": s}: extends the open round's lease (and a leased pause)
   POST /weightsync/payload          frame: u64 header length, JSON header, body (http transport)
   POST /weightsync/announce         JSON header of a body placed out of band (shm, collective)
   POST /weightsync/join             group info (collective); returns once joined
@@ -14,223 +22,268 @@
   POST /weightsync/commit           {"version": v}
   POST /weightsync/abort
   POST /weightsync/load_from_disk   {"path": DIR, "version": v}: reload every *.safetensors in DIR
+                                    (only below the directories given with --load-root)
+  POST /weightsync/peer/share       {"token": t, "ttl": s}: let a joiner with this token pull
+  GET  /weightsync/peer/manifest    (X-Weightsync-Share: t) the current version's manifest
+  GET  /weightsync/peer/bucket      ?index=i&version=v (X-Weightsync-Share: t) one payload frame
+  POST /weightsync/pull             {"peer": {"url", "token", "source"}}: catch up from that peer
+
+Every /weightsync/* call of a round (all but begin, load_from_disk and the peer routes) carries
+the round id that begin returned in the `X-Weightsync-Round` header; another id is refused (409).
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 import signal
 import sys
 import threading
-import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
-from urllib.parse import parse_qs, urlparse
+from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save
 
-from ..errors import PayloadError, WeightSyncError
+from ..errors import PayloadError
+from ..httpserver import HttpError, Routes, Server, make_server as make_http_server
+from ..httpserver import MiB, resolve_key, warn_if_open
 from ..wire import unframe
-from .engine import Conflict, ReferenceEngine
+from .engine import ReferenceEngine, VersionGate
 
 log = logging.getLogger("weightsync.server")
-Route = Callable[["Handler", dict[str, list[str]], Any], Any]
+ROUND_HEADER = "X-Weightsync-Round"
+SHARE_HEADER = "X-Weightsync-Share"
+routes = Routes()
+JSON_CAP = 16 * MiB                     # announce headers list every tensor of a bucket
 
 
-def _json_body(h: "Handler") -> Any:
-    raw = h.read_body()
-    if not raw:
-        return {}
-    try:
-        return json.loads(bytes(raw))
-    except ValueError as e:
-        raise PayloadError(f"request body is not JSON: {e}") from None
+def _rid(h: Any) -> str | None:
+    return h.headers.get(ROUND_HEADER)
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
-    engine: ReferenceEngine
-    api_key: str | None = None
-    routes: dict[tuple[str, str], Route] = {}
-
-    def log_message(self, fmt: str, *args: Any) -> None:
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def read_body(self) -> memoryview:
-        n = int(self.headers.get("Content-Length") or 0)
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.rfile.readinto(view[got:])
-            if not k:
-                raise PayloadError(f"request body ended after {got} of {n} bytes")
-            got += k
-        return view
-
-    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _dispatch(self, method: str) -> None:
-        url = urlparse(self.path)
-        route = self.routes.get((method, url.path))
-        try:
-            if route is None:
-                self.read_body()
-                self._send(404, json.dumps({"error": f"no route {method} {url.path}"}).encode())
-                return
-            if self.api_key and url.path != "/health":
-                got = self.headers.get("Authorization", "")
-                if not hmac.compare_digest(got, f"Bearer {self.api_key}"):
-                    self.read_body()
-                    self._send(401, json.dumps({"error": "missing or wrong API key: send "
-                                                         "'Authorization: Bearer <key>'"}).encode())
-                    return
-            result = route(self, parse_qs(url.query), None)
-            if isinstance(result, bytes):
-                self._send(200, result, "application/octet-stream")
-            else:
-                self._send(200, json.dumps(result if result is not None else {"ok": True}).encode())
-        except Conflict as e:
-            self._send(409, json.dumps({"error": f"engine {self.engine.name}: {e}"}).encode())
-        except (WeightSyncError, ValueError, KeyError, NotImplementedError) as e:
-            self._send(400, json.dumps({"error": f"engine {self.engine.name}: {e}"}).encode())
-        except Exception as e:  # the engine keeps serving; the caller gets the reason
-            log.error("%s %s failed:\n%s", method, url.path, traceback.format_exc())
-            self._send(500, json.dumps({"error": f"engine {self.engine.name}: {type(e).__name__}: {e}"}).encode())
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
+@routes.add("GET", "/health", auth=False, max_body=0)
+def _health(h: Any, q: dict) -> Any:
+    return h.engine.health()
 
 
-def route(method: str, path: str) -> Callable[[Route], Route]:
-    def deco(fn: Route) -> Route:
-        Handler.routes[(method, path)] = fn
-        return fn
-    return deco
-
-
-@route("GET", "/health")
-def _health(h: Handler, q: dict, _: Any) -> Any:
-    return {"status": "ok", "version": h.engine.version, "paused": h.engine.paused}
-
-
-@route("GET", "/info")
-def _info(h: Handler, q: dict, _: Any) -> Any:
+@routes.add("GET", "/info", max_body=0)
+def _info(h: Any, q: dict) -> Any:
     return h.engine.info()
 
 
-@route("GET", "/weights")
-def _weights(h: Handler, q: dict, _: Any) -> Any:
+@routes.add("GET", "/weights", max_body=0)
+def _weights(h: Any, q: dict) -> Any:
     return save(h.engine.tensors(q.get("name", [])), metadata={"version": str(h.engine.version)})
 
 
-@route("POST", "/generate")
-def _generate(h: Handler, q: dict, _: Any) -> Any:
-    body = _json_body(h)
-    return h.engine.generate([int(i) for i in body.get("input_ids", [])],
-                             int(body.get("max_new_tokens", 16)))
+def _int_or_none(v: Any, field: str) -> int | None:
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise HttpError(400, f"{field} must be an integer, got {v!r}")
+    return v
 
 
-@route("POST", "/pause")
-def _pause(h: Handler, q: dict, _: Any) -> Any:
-    h.engine.pause(str(_json_body(h).get("mode", "abort")))
+@routes.add("POST", "/generate")
+def _generate(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    ids = body.get("input_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise HttpError(400, "input_ids must be a list of integers")
+    n = _int_or_none(body.get("max_new_tokens", 16), "max_new_tokens")
+    if n is None or not 0 <= n <= 100_000:
+        raise HttpError(400, "max_new_tokens must be an integer in 0..100000")
+    wait = body.get("wait", 0.0)
+    if not isinstance(wait, (int, float)) or isinstance(wait, bool) or wait < 0:
+        raise HttpError(400, "wait must be a number of seconds >= 0")
+    try:
+        return h.engine.generate(ids, n, min_version=_int_or_none(body.get("min_version"), "min_version"),
+                                 exact_version=_int_or_none(body.get("exact_version"), "exact_version"),
+                                 wait=float(wait))
+    except VersionGate as e:
+        raise HttpError(409, str(e), weight_version=e.held) from None
+
+
+@routes.add("POST", "/pause")
+def _pause(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    h.engine.pause(str(body.get("mode", "abort")), body.get("lease"))
     return {"status": "paused"}
 
 
-@route("POST", "/resume")
-def _resume(h: Handler, q: dict, _: Any) -> Any:
-    h.read_body()
+@routes.add("POST", "/resume")
+def _resume(h: Any, q: dict) -> Any:
     h.engine.resume()
     return {"status": "resumed"}
 
 
-@route("POST", "/weightsync/begin")
-def _begin(h: Handler, q: dict, _: Any) -> Any:
-    body = _json_body(h)
-    h.engine.begin(int(body["version"]), body)
-    return {"status": "begun", "version": int(body["version"])}
+@routes.add("POST", "/weightsync/begin", max_body=JSON_CAP)
+def _begin(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    r = h.engine.begin(int(body["version"]), body, body.get("lease"))
+    return {"status": "begun", "round": r.id, "version": r.version, "lease": r.lease}
 
 
-@route("POST", "/weightsync/payload")
-def _payload(h: Handler, q: dict, _: Any) -> Any:
+@routes.add("POST", "/weightsync/renew")
+def _renew(h: Any, q: dict) -> Any:
+    return h.engine.renew(_rid(h), h.json_body().get("lease"))
+
+
+@routes.add("POST", "/weightsync/payload", max_body=lambda: 0)   # replaced per engine (make_server)
+def _payload(h: Any, q: dict) -> Any:
+    if h.engine.round is None or _rid(h) != h.engine.round.id:
+        h.engine._current(_rid(h))        # refuse (409) before reading the body
     header, body = unframe(h.read_body())
-    return {"digest": h.engine.apply(header, body)}
+    return {"digest": h.engine.apply(_rid(h), header, body)}
 
 
-@route("POST", "/weightsync/announce")
-def _announce(h: Handler, q: dict, _: Any) -> Any:
-    return {"digest": h.engine.apply(_json_body(h), None)}
+@routes.add("POST", "/weightsync/announce", max_body=JSON_CAP)
+def _announce(h: Any, q: dict) -> Any:
+    return {"digest": h.engine.apply(_rid(h), h.json_body(), None)}
 
 
-@route("POST", "/weightsync/join")
-def _join(h: Handler, q: dict, _: Any) -> Any:
-    h.engine.join(_json_body(h))
+@routes.add("POST", "/weightsync/join")
+def _join(h: Any, q: dict) -> Any:
+    h.engine.join(_rid(h), h.json_body())
     return {"status": "joined"}
 
 
-@route("POST", "/weightsync/end")
-def _end(h: Handler, q: dict, _: Any) -> Any:
-    h.read_body()
-    return {"digests": {str(k): v for k, v in h.engine.end().items()}}
+@routes.add("POST", "/weightsync/end")
+def _end(h: Any, q: dict) -> Any:
+    return {"digests": {str(k): v for k, v in h.engine.end(_rid(h)).items()}}
 
 
-@route("POST", "/weightsync/commit")
-def _commit(h: Handler, q: dict, _: Any) -> Any:
-    h.engine.commit(int(_json_body(h)["version"]))
+@routes.add("POST", "/weightsync/commit")
+def _commit(h: Any, q: dict) -> Any:
+    h.engine.commit(_rid(h), int(h.json_body()["version"]))
     return {"version": h.engine.version}
 
 
-@route("POST", "/weightsync/abort")
-def _abort(h: Handler, q: dict, _: Any) -> Any:
-    h.read_body()
-    h.engine.abort()
+@routes.add("POST", "/weightsync/abort")
+def _abort(h: Any, q: dict) -> Any:
+    h.engine.abort(_rid(h))
     return {"version": h.engine.version}
 
 
-@route("POST", "/weightsync/load_from_disk")
-def _load_from_disk(h: Handler, q: dict, _: Any) -> Any:
-    body = _json_body(h)
+@routes.add("POST", "/weightsync/load_from_disk")
+def _load_from_disk(h: Any, q: dict) -> Any:
+    body = h.json_body()
     if "path" not in body or "version" not in body:
         raise PayloadError('load_from_disk needs {"path": DIR, "version": v}')
-    return {"version": h.engine.load_from_disk(str(body["path"]), int(body["version"]))}
+    path = Path(str(body["path"]))
+    roots = getattr(h, "load_roots", ())
+    real = path.resolve()
+    if not any(real == r or r in real.parents for r in roots):
+        raise HttpError(403, f"load_from_disk of {path} is refused: it is not below a directory "
+                             f"this engine was started with (--load-root); allowed: "
+                             f"{[str(r) for r in roots] or 'none'}")
+    return {"version": h.engine.load_from_disk(str(real), int(body["version"]))}
+
+
+@routes.add("POST", "/weightsync/peer/share")
+def _share(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    return h.engine.share(str(body.get("token", "")), float(body.get("ttl", 600)))
+
+
+@routes.add("GET", "/weightsync/peer/manifest", auth=False, max_body=0)
+def _peer_manifest(h: Any, q: dict) -> Any:
+    return h.engine.peer_manifest(h.headers.get(SHARE_HEADER))
+
+
+@routes.add("GET", "/weightsync/peer/bucket", auth=False, max_body=0)
+def _peer_bucket(h: Any, q: dict) -> Any:
+    try:
+        index, version = int(q["index"][0]), int(q["version"][0])
+    except (KeyError, ValueError, IndexError):
+        raise HttpError(400, "peer/bucket needs ?index=i&version=v") from None
+    parts = h.engine.peer_bucket(h.headers.get(SHARE_HEADER), index, version)
+    return b"".join(bytes(p) for p in parts)
+
+
+@routes.add("POST", "/weightsync/pull")
+def _pull(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    peer = body.get("peer")
+    if not isinstance(peer, dict) or not peer.get("url") or not peer.get("token"):
+        raise HttpError(400, 'pull needs {"peer": {"url": ..., "token": ..., "source": "http"}}')
+    return {"version": h.engine.pull(peer)}
 
 
 def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0,
-                api_key: str | None = None) -> ThreadingHTTPServer:
-    handler = type("BoundHandler", (Handler,), {"engine": engine, "api_key": api_key})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+                api_key: str | None = None, load_roots: list[str] | None = None,
+                max_connections: int = 64) -> Server:
+    """The engine's HTTP server. A payload may be as large as the whole model plus its header
+    (a bucket never exceeds the model); every JSON route takes at most 16 MiB, others 1 MiB."""
+    model_bytes = sum(t.numel() * t.element_size() for n in engine.model.store.names()
+                      if (t := engine.model.store.get(n)) is not None)
+    mine = Routes()
+    mine.table.update(routes.table)
+    payload = mine.table[("POST", "/weightsync/payload")]
+    mine.table[("POST", "/weightsync/payload")] = type(payload)(payload.fn, True,
+                                                                 model_bytes + JSON_CAP)
+    roots = tuple(Path(r).resolve() for r in (load_roots or []))
+    return make_http_server(mine, host, port, api_key=api_key, name=f"engine {engine.name}",
+                            state={"engine": engine, "load_roots": roots},
+                            max_connections=max_connections)
 
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: str | None = None,
-          name: str | None = None, device: str = "cpu") -> None:
+          name: str | None = None, device: str = "cpu", *, api_key_file: str | None = None,
+          load_roots: list[str] | None = None, fleet: str | None = None,
+          fleet_key: str | None = None, advertise: str | None = None, verbosity: int = 0,
+          hmac_key_file: str | None = None, tls_cert: str | None = None,
+          tls_key: str | None = None) -> None:
     from ..plugins import load_components
     from .model import load_model
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = ReferenceEngine(load_model(model_dir, device), load_components(), name or f"{host}:{port}")
-    server = make_server(engine, host, port, api_key)
+    level = {-1: logging.WARNING, 0: logging.INFO}.get(verbosity, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from ..signing import load_key
+    key = resolve_key(api_key, api_key_file)
+    engine = ReferenceEngine(load_model(model_dir, device), load_components(), name or f"{host}:{port}",
+                             hmac_key=load_key(None, hmac_key_file))
+    server = make_server(engine, host, port, key, load_roots)
+    scheme = "http"
+    if tls_cert:
+        import ssl
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(tls_cert, tls_key)
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
     real_port = server.server_address[1]
     engine.name = name or f"{host}:{real_port}"
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
-    print(f"weightsync reference engine serving {model_dir} ({engine.model.kind}) "
-          f"on http://{host}:{real_port}", flush=True)
+    warn_if_open(host, key, f"the reference engine {engine.name}")
+    url = advertise or f"{scheme}://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{real_port}"
+    member = None
+    if fleet:
+        from ..fleet.member import Membership
+        member = Membership(fleet, fleet_key, {"name": engine.name, "url": url,
+                                               "adapter": {"kind": "reference"}, "api_key": key},
+                            version=lambda: engine.version)
+    stop = threading.Event()
+
+    def shutdown(*_: Any) -> None:
+        stop.set()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    print(f"weightsync reference engine serving {model_dir} ({engine.model.kind}) on {url}",
+          flush=True)
+    loop = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                            name="ws-serve", daemon=True)
+    loop.start()
     try:
-        server.serve_forever(poll_interval=0.2)
+        if member is not None:
+            member.start()                  # the registry checks our health: serve first
+        while not stop.wait(0.5):
+            pass
     except KeyboardInterrupt:
-        pass
+        server.shutdown()
     finally:
+        if member is not None:
+            member.stop()
+        engine.close()
         server.server_close()
         sys.stdout.flush()

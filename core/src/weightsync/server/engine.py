@@ -1,26 +1,74 @@
 """The reference engine's state machine: generation, pause gates, and one update round at a time.
-Weights change only at commit, between two decoding steps, under the model lock."""
+Weights change only at commit, between two decoding steps, under the model lock.
+
+Rounds and leases: `begin` opens the one live round, with an id and a lease; every later call
+of the round carries the id, and the trainer renews the lease while it works. A call with
+another id, or a second `begin` while a round is open, is refused (Conflict, HTTP 409). When a
+lease lapses (the trainer died or hung) a watchdog aborts the round, drops what it staged and, if
+the engine was paused under a lease, resumes it: the engine serves again at its old version."""
 
 from __future__ import annotations
 
+import logging
+import secrets
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from ..bucket import dtype_name
 from ..errors import PayloadError
+from ..fleet.peer import Shares, pull
+from ..httpserver import Conflict409
 from ..receiver import ReceiveSession, check_tensor, read_checkpoint
 from .model import LoadedModel
 
+log = logging.getLogger("weightsync.server")
+DEFAULT_LEASE = 10.0
+MAX_LEASE = 3600.0
 
-class Conflict(PayloadError):
+
+class Conflict(Conflict409):
     """The request does not fit the engine's current state (HTTP 409)."""
 
 
+class VersionGate(Conflict):
+    """A generation asked for a version this engine does not hold (HTTP 409 with the version)."""
+
+    def __init__(self, message: str, held: int) -> None:
+        super().__init__(message)
+        self.held = held
+
+
+def _lease(value: Any) -> float:
+    try:
+        lease = float(DEFAULT_LEASE if value is None else value)
+    except (TypeError, ValueError):
+        raise PayloadError(f"lease {value!r} is not a number of seconds") from None
+    if not 0 < lease <= MAX_LEASE:
+        raise PayloadError(f"lease {lease:g}s is outside (0, {MAX_LEASE:g}] seconds")
+    return lease
+
+
+@dataclass
+class Round:
+    id: str
+    version: int
+    session: ReceiveSession
+    lease: float
+    expires: float                      # time.monotonic() deadline
+
+    def left(self) -> float:
+        return max(0.0, self.expires - time.monotonic())
+
+
 class ReferenceEngine:
-    def __init__(self, model: LoadedModel, components: Any, name: str = "reference") -> None:
+    def __init__(self, model: LoadedModel, components: Any, name: str = "reference",
+                 watchdog: bool = True, hmac_key: bytes | None = None) -> None:
         self.model = model
+        self.hmac_key = hmac_key                 # payloads (and peer frames) must be signed
         self.components = components
         self.name = name
         self.version = 0
@@ -28,86 +76,238 @@ class ReferenceEngine:
         self.state = threading.Condition()
         self.paused: str | None = None           # None, "abort" or "keep"
         self.pause_epoch = 0
-        self.session: ReceiveSession | None = None
-        self.session_lock = threading.Lock()
+        self.pause_expires: float | None = None  # a pause taken under a lease ends by itself
+        self.round: Round | None = None
+        self.session_lock = threading.RLock()
+        self.lapsed = 0                          # rounds and pauses ended by a lapsed lease
+        self.shares = Shares(key=hmac_key)       # peer join: tokens this engine serves
+        self.pulled = 0                          # versions taken from a peer
+        self.pulled_from: str | None = None
+        self._stop = threading.Event()
+        if watchdog:
+            threading.Thread(target=self._watch, name="ws-lease-watchdog", daemon=True).start()
 
     # -- generation -------------------------------------------------------------------------
-    def generate(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    def generate(self, ids: list[int], max_new_tokens: int, *, min_version: int | None = None,
+                 exact_version: int | None = None, wait: float = 0.0) -> dict[str, Any]:
+        """Greedy tokens. With `min_version` / `exact_version` it first waits up to `wait`
+        seconds for a fitting version, else answers 409 with the version it holds; an exact
+        request whose weights change while it runs is answered 409 as well, never with tokens
+        of two versions."""
         if self.model.module is None:
             raise Conflict("this is a weights-only engine (no config.json); it cannot generate")
         if not ids:
             raise PayloadError("input_ids must not be empty")
+        self._gate(min_version, exact_version, wait)
         with self.state:
-            while self.paused is not None:     # new requests wait for resume
-                self.state.wait()
             epoch = self.pause_epoch
         out: list[int] = []
-        for _ in range(max_new_tokens):
+        first = last = self.version
+        for k in range(max_new_tokens):
             with self.state:
                 while self.paused == "keep":
                     self.state.wait()
                 if self.paused == "abort" or self.pause_epoch != epoch and self.paused is not None:
-                    return {"output_ids": out, "finish_reason": "abort", "version": self.version}
+                    return {"output_ids": out, "finish_reason": "abort", "version": first,
+                            "weight_version": first, "weight_version_end": last}
             with self.model_lock:
                 tok = self.model.next_token(ids + out)
-                version = self.version
+                last = self.version
+            if k == 0:
+                first = last
+            if exact_version is not None and last != exact_version:
+                raise VersionGate(f"the weights changed from version {exact_version} to {last} "
+                                  f"during generation; retry", last)
             out.append(tok)
-        return {"output_ids": out, "finish_reason": "length", "version": version}
+        return {"output_ids": out, "finish_reason": "length", "version": first,
+                "weight_version": first, "weight_version_end": last}
 
-    def pause(self, mode: str) -> None:
+    def _gate(self, min_version: int | None, exact_version: int | None, wait: float) -> None:
+        """Wait for resume, and for a version that fits the request, up to `wait` seconds."""
+        def fits() -> bool:
+            v = self.version
+            return (min_version is None or v >= min_version) and (exact_version is None or v == exact_version)
+        deadline = time.monotonic() + max(0.0, min(float(wait), 3600.0))
+        with self.state:
+            while True:
+                if exact_version is not None and self.version > exact_version:
+                    raise VersionGate(f"version {exact_version} was asked for, this engine holds "
+                                      f"{self.version} already", self.version)
+                if self.paused is None and fits():
+                    return
+                left = deadline - time.monotonic()
+                if not fits() and left <= 0:
+                    want = (f"version >= {min_version}" if exact_version is None
+                            else f"version {exact_version}")
+                    raise VersionGate(f"{want} was asked for, this engine holds {self.version}",
+                                      self.version)
+                self.state.wait(timeout=left if not fits() else None)
+
+    def pause(self, mode: str, lease: float | None = None) -> None:
+        """Pause generation; with `lease` the pause ends by itself unless renewed."""
         if mode not in ("abort", "keep"):
             raise PayloadError(f"pause mode {mode!r} is not supported; use 'abort' or 'keep'")
         with self.state:
             self.paused = mode
             self.pause_epoch += 1
+            self.pause_expires = None if lease is None else time.monotonic() + _lease(lease)
             self.state.notify_all()
 
     def resume(self) -> None:
         with self.state:
             self.paused = None
+            self.pause_expires = None
             self.state.notify_all()
 
     # -- update round -----------------------------------------------------------------------
-    def begin(self, version: int, plan: Mapping[str, Any]) -> None:
-        if version <= self.version:
-            raise Conflict(f"version {version} is not newer than the engine's version {self.version}")
+    def begin(self, version: int, plan: Mapping[str, Any], lease: float | None = None) -> Round:
+        lease = _lease(lease)
         with self.session_lock:
-            if self.session is not None:
-                self.session.close()           # a previous round died half way: drop it
-            self.session = ReceiveSession(self.model.store, {**plan, "version": version,
-                                                             "engine_version": self.version},
-                                          self.components)
+            self._expire()
+            if self.round is not None:
+                r = self.round
+                raise Conflict(f"round {r.id} (version {r.version}) is open; this begin of version "
+                               f"{version} is refused; the open round's lease expires in "
+                               f"{r.left():.1f}s unless its trainer renews it")
+            if version <= self.version:
+                raise Conflict(f"version {version} is not newer than the engine's version {self.version}")
+            session = ReceiveSession(self.model.store, {**plan, "version": version,
+                                                        "engine_version": self.version},
+                                     self.components, self.hmac_key)
+            self.round = Round(secrets.token_hex(8), version, session, lease,
+                               time.monotonic() + lease)
+            log.info("round %s opened for version %d (lease %.1fs)", self.round.id, version, lease)
+            return self.round
 
-    def _current(self) -> ReceiveSession:
-        s = self.session
-        if s is None:
-            raise Conflict("no update round is open; call /weightsync/begin first")
-        return s
+    def _current(self, rid: str | None) -> Round:
+        r = self.round
+        if r is None:
+            raise Conflict(f"round {rid} is not open: no round is (it was committed or aborted, or "
+                           f"its lease lapsed); begin a new round")
+        if rid != r.id:
+            raise Conflict(f"round {rid} is not the open round: round {r.id} (version {r.version}) "
+                           f"is, and its lease expires in {r.left():.1f}s")
+        return r
 
-    def join(self, info: Mapping[str, Any]) -> None:
-        self._current().join(info)
-
-    def apply(self, header: Mapping[str, Any], body: memoryview | None) -> str:
-        return self._current().apply(header, body)
-
-    def end(self) -> dict[int, str]:
-        return self._current().end()
-
-    def commit(self, version: int) -> None:
+    def renew(self, rid: str | None, lease: float | None = None) -> dict[str, Any]:
+        """Extend the open round's lease (when `rid` is given) and a leased pause."""
+        out: dict[str, Any] = {}
         with self.session_lock:
-            s = self._current()
-            if s.version != version:
-                raise Conflict(f"commit of version {version}, but the open round is for {s.version}")
+            self._expire()
+            if rid is not None:
+                r = self._current(rid)
+                r.lease = _lease(lease if lease is not None else r.lease)
+                r.expires = time.monotonic() + r.lease
+                out["round"] = {"id": r.id, "expires_in": r.lease}
+        with self.state:
+            if self.pause_expires is not None:
+                seconds = _lease(lease)
+                self.pause_expires = time.monotonic() + seconds
+                out["pause"] = {"mode": self.paused, "expires_in": seconds}
+        return out
+
+    def join(self, rid: str | None, info: Mapping[str, Any]) -> None:
+        self._current(rid).session.join(info)
+
+    def apply(self, rid: str | None, header: Mapping[str, Any], body: memoryview | None) -> str:
+        return self._current(rid).session.apply(header, body)
+
+    def end(self, rid: str | None) -> dict[int, str]:
+        return self._current(rid).session.end()
+
+    def commit(self, rid: str | None, version: int) -> None:
+        with self.session_lock:
+            r = self._current(rid)
+            if r.version != version:
+                raise Conflict(f"commit of version {version}, but round {r.id} is for {r.version}")
             with self.model_lock:
-                s.commit()
+                r.session.commit()
                 self.version = version
-            self.session = None
+            self.round = None
+        with self.state:
+            self.state.notify_all()          # requests waiting for this version
+        log.info("round %s committed: version %d", r.id, version)
 
-    def abort(self) -> None:
+    def abort(self, rid: str | None) -> None:
+        """Drop the open round. Aborting a round that is no longer open is a no-op (the trainer
+        cleans up after failures); aborting another trainer's round is refused."""
         with self.session_lock:
-            if self.session is not None:
-                self.session.close()
-                self.session = None
+            if self.round is None:
+                return
+            r = self._current(rid)
+            self.round = None
+            r.session.close()
+        log.info("round %s aborted; version stays %d", r.id, self.version)
+
+    # -- peer join -------------------------------------------------------------------------
+    def share(self, token: str, ttl: float) -> dict[str, Any]:
+        """Let a joiner holding `token` pull this engine's weights for `ttl` seconds."""
+        self.shares.open(token, ttl)
+        return {"version": self.version, "source": "http"}
+
+    def peer_manifest(self, token: str | None) -> dict[str, Any]:
+        self.shares.check(token)
+        with self.model_lock:
+            return self.shares.manifest(self.version, self.model.store)
+
+    def peer_bucket(self, token: str | None, index: int, version: int) -> list[Any]:
+        self.shares.check(token)
+        with self.model_lock:
+            if version != self.version:
+                raise Conflict(f"this peer holds version {self.version} now, not {version}; "
+                               f"pull again")
+            return self.shares.bucket(self.version, index, self.model.store)
+
+    def pull(self, peer: Mapping[str, Any], lease: float = 600.0) -> int:
+        """Catch up from a peer (see weightsync.fleet.peer): everything is staged and checked in
+        a round of its own (trainer rounds are refused meanwhile), then committed at once."""
+        source = self.components.peer_sources.get(str(peer.get("source") or "http"))()
+        rid: list[str] = []
+
+        def session_for(version: int) -> ReceiveSession:
+            r = self.begin(version, {"transport": {"kind": "http"}, "encoding": {"kind": "raw"}},
+                           lease)
+            rid.append(r.id)
+            return r.session
+        try:
+            got = pull(source, peer, session_for, self.version)
+        except BaseException as e:
+            if rid:
+                self.abort(rid[0])
+            raise PayloadError(f"pull from peer {peer.get('url')} failed: {e}; nothing was "
+                               f"applied, this engine stays at version {self.version}") from None
+        if rid:
+            self.commit(rid[0], got)
+            self.pulled += 1
+            self.pulled_from = str(peer.get("url"))
+            log.info("caught up from peer %s: version %d", self.pulled_from, got)
+        return self.version
+
+    # -- leases -----------------------------------------------------------------------------
+    def _expire(self) -> None:
+        """Abort a round whose lease lapsed (called under session_lock, and by the watchdog)."""
+        r = self.round
+        if r is not None and time.monotonic() > r.expires:
+            self.round = None
+            self.lapsed += 1
+            log.warning("round %s (version %d): lease lapsed after %.1fs without renewal; aborted, "
+                        "the engine stays at version %d", r.id, r.version, r.lease, self.version)
+            threading.Thread(target=r.session.close, daemon=True, name="ws-round-close").start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.05):
+            with self.session_lock:
+                self._expire()
+            with self.state:
+                if self.pause_expires is not None and time.monotonic() > self.pause_expires:
+                    self.lapsed += 1
+                    log.warning("pause lease lapsed without renewal: resuming generation")
+                    self.paused = None
+                    self.pause_expires = None
+                    self.state.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
 
     def load_from_disk(self, path: str, version: int) -> int:
         """Reload weights from every *.safetensors in `path` (a host-local checkpoint the disk
@@ -117,14 +317,26 @@ class ReferenceEngine:
             raise PayloadError(f"version {version} is negative")
         named = read_checkpoint(path, lambda n, t: check_tensor(self.model.store, n, t))
         with self.session_lock:
-            if self.session is not None:
-                raise Conflict("an update round is open; finish or abort it before reloading from disk")
+            self._expire()
+            if self.round is not None:
+                raise Conflict(f"round {self.round.id} is open; finish or abort it before reloading "
+                               f"from disk")
             with self.model_lock:
                 self.model.store.load(named)
                 self.version = int(version)
+        with self.state:
+            self.state.notify_all()
         return self.version
 
     # -- introspection ----------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        r = self.round
+        return {"status": "ok", "version": self.version, "weight_version": self.version,
+                "paused": self.paused, "peer": {"pulled": self.pulled, "from": self.pulled_from,
+                                                "served_buckets": self.shares.served},
+                "round": None if r is None else {"id": r.id, "version": r.version,
+                                                 "expires_in": round(r.left(), 3)}}
+
     def info(self) -> dict[str, Any]:
         store = self.model.store
         return {"name": self.name, "version": self.version, "model": self.model.kind,

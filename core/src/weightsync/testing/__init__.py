@@ -8,9 +8,36 @@ reference engines as real processes and to build tiny models offline.
             return MyTransport(MyTransport.Options())
 """
 
-from .contracts import AdapterContract, EncodingContract, ExporterContract, TransportContract
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .engines import EngineProcess, free_port
 from .sample import sample_state_dict, write_weights_only_model
 
+if TYPE_CHECKING:
+    from .contracts import (AdapterContract, EncodingContract, ExporterContract, FleetContract,
+                            TransportContract)
+
+_CONTRACTS = ("AdapterContract", "EncodingContract", "ExporterContract", "FleetContract",
+              "TransportContract")
+
+
+def __getattr__(name: str) -> Any:
+    """The contract classes load on first use: they need pytest (the `testing` extra), while the
+    engine helpers here also serve `weightsync demo` and `bench` on a plain install."""
+    if name not in _CONTRACTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from . import contracts
+    except ModuleNotFoundError as e:
+        if e.name != "pytest":
+            raise
+        raise ModuleNotFoundError(f"weightsync.testing.{name} needs pytest: pip install "
+                                  f"'weightsync-core[testing]'", name="pytest") from e
+    return getattr(contracts, name)
+
+
 __all__ = ["AdapterContract", "EncodingContract", "EngineProcess", "ExporterContract",
-           "TransportContract", "free_port", "sample_state_dict", "write_weights_only_model"]
+           "FleetContract", "TransportContract", "free_port", "sample_state_dict",
+           "write_weights_only_model"]

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import IO
@@ -28,7 +29,9 @@ class EngineProcess:
 
     def __init__(self, model_dir: str | Path, *, port: int | None = None, api_key: str | None = None,
                  name: str | None = None, log: Path | None = None, env: dict[str, str] | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", load_roots: list[str] | None = None,
+                 extra_args: list[str] | None = None, scheme: str = "http",
+                 verify: bool | str = True) -> None:
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.api_key = api_key
@@ -36,15 +39,21 @@ class EngineProcess:
         self.log = log
         self.env = env
         self.device = device
+        # tests load checkpoints from temporary directories: allow those unless told otherwise
+        self.load_roots = [tempfile.gettempdir()] if load_roots is None else load_roots
+        self.extra_args = list(extra_args or [])
+        self.scheme, self.verify = scheme, verify          # https engines: --tls-cert/--tls-key
         self.proc: subprocess.Popen | None = None
         self._log_fh: IO | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def spec(self) -> dict:
-        d = {"url": self.url, "name": self.name}
+        d: dict = {"url": self.url, "name": self.name}
+        if self.verify is not True:
+            d["verify"] = self.verify
         if self.api_key:
             d["api_key"] = self.api_key
         return d
@@ -52,6 +61,9 @@ class EngineProcess:
     def start(self, timeout: float = 60.0) -> "EngineProcess":
         cmd = [sys.executable, "-m", "weightsync", "serve", "--model", self.model_dir,
                "--port", str(self.port), "--name", self.name, "--device", self.device]
+        for root in self.load_roots:
+            cmd += ["--load-root", root]
+        cmd += self.extra_args
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         out = subprocess.DEVNULL
@@ -66,7 +78,7 @@ class EngineProcess:
                 raise RuntimeError(f"engine {self.name} exited with {self.proc.returncode} during start"
                                    + (f"; see {self.log}" if self.log else ""))
             try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                if requests.get(self.url + "/health", timeout=1, verify=self.verify).status_code == 200:
                     return self
             except requests.RequestException:
                 pass
@@ -95,16 +107,17 @@ class EngineProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-        r = requests.get(self.url + "/weights", params={"name": names or []}, headers=self._headers(), timeout=60)
+        r = requests.get(self.url + "/weights", params={"name": names or []}, headers=self._headers(),
+                         timeout=60, verify=self.verify)
         r.raise_for_status()
         return load(r.content)
 
     def health(self) -> dict:
-        return requests.get(self.url + "/health", timeout=5).json()
+        return requests.get(self.url + "/health", timeout=5, verify=self.verify).json()
 
     def generate(self, ids: list[int], n: int) -> dict:
         r = requests.post(self.url + "/generate", json={"input_ids": ids, "max_new_tokens": n},
-                          headers=self._headers(), timeout=120)
+                          headers=self._headers(), timeout=120, verify=self.verify)
         r.raise_for_status()
         return r.json()
 

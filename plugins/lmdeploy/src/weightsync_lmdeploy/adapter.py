@@ -1,5 +1,5 @@
 """Adapter `lmdeploy`: drives an LMDeploy api_server through its own routes
-(engine-protocols.md section 3): `/update_weights` (same host, tensor handles), the collective
+(docs/engines.md, LMDeploy): `/update_weights` (same host, tensor handles), the collective
 routes (`/init_weights_update_group`, `/update_weights_from_distributed`,
 `/destroy_weights_update_group`) and `/sleep` / `/wakeup`.
 
@@ -72,6 +72,8 @@ class LmdeployAdapter(Adapter):
     encodings = frozenset({"raw", "cast"})
     pause_modes = ("abort",)
     layout = "flat_per_dtype"
+    staging = False                  # every call writes straight into the live parameters
+    verification = "ack"             # LMDeploy cannot read its weights back: acknowledged only
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)

@@ -1,5 +1,5 @@
 """Adapter `sglang`: drives an SGLang 0.5.23 server through its own weight-update routes
-(engine-protocols.md section 1). Nothing of SGLang is imported.
+(docs/engines.md, SGLang). Nothing of SGLang is imported.
 
 Routes: pause `/pause_generation` (abort | retract | in_place), resume `/continue_generation`,
 health `/health` + `GET /model_info` (weight_version), commit `/flush_cache` +
@@ -7,12 +7,15 @@ health `/health` + `GET /model_info` (weight_version), commit `/flush_cache` +
 (transport `sglang_tensor`), disaggregated `/init_weights_update_group` +
 `/update_weights_from_distributed` + `/destroy_weights_update_group` (core transport `collective`).
 
-Verification is acknowledgement-based. SGLang stages nothing and cannot hash what it loaded: it
-loads every bucket as it arrives and answers `success`. So `end()` returns the sender's digest of
-exactly the buckets SGLang acknowledged with `success: true`; a bucket it refused or never answered
-is missing, and the pipeline then fails the engine. A failed round leaves SGLang partially updated
-(its own words: "Please discard the whole weights"); the weight version is not advanced, so the
-next push resends everything.
+SGLang stages nothing: it loads every bucket as it arrives, so it is paused before the first
+payload (`staging = False`). It cannot hash what it loaded, so `end()` returns the sender's digest
+of exactly the buckets SGLang acknowledged with `success: true` (a bucket it refused or never
+answered is missing, and the pipeline then fails the engine): the outcome is `acknowledged`.
+With `readback` on (the default) the adapter also samples a few tensors it sent and, after
+commit, reads them back through `/get_weights_by_name`: equal values make the outcome `verified`
+(by sample), different ones fail the engine. A failed round leaves SGLang partially updated (its
+own words: "Please discard the whole weights"); the weight version is not advanced, so the next
+push resends everything.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from weightsync.errors import ConfigError, EngineError
 from weightsync.httpclient import auth_headers, call, error_text
 from weightsync.interfaces import Adapter, EngineStatus
 
+from .readback import Sampler, depth, same
 from .versions import from_sglang, to_sglang
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,11 @@ class SGLangOptions(BaseModel):
                                                       "server's own)")
     health_route: Literal["/health", "/health_generate"] = "/health"
     version_prefix: str = Field("", description="weight_version is f'{prefix}{version}'")
+    readback: bool = Field(True, description="after commit, read sampled tensors back through "
+                                             "/get_weights_by_name and compare them with what was "
+                                             "sent (outcome `verified` instead of `acknowledged`)")
+    readback_tensors: int = Field(4, ge=1, le=64, description="tensors sampled per sync for read-back")
+    readback_rows: int = Field(2, ge=1, le=100, description="rows (dim 0) read back per sampled tensor")
 
 
 class SGLangAdapter(Adapter):
@@ -58,6 +67,8 @@ class SGLangAdapter(Adapter):
     encodings = frozenset({"raw", "cast"})   # SGLang loads the tensors it is given, as they are
     pause_modes = ("abort", "retract", "in_place")
     layout = "flat"                          # flattened_bucket: the payload's data section
+    staging = False                          # SGLang loads each bucket as it arrives: pause first
+    verification = "ack"                     # it cannot hash what it loaded; confirm() reads back
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)
@@ -67,6 +78,7 @@ class SGLangAdapter(Adapter):
         self._acked: dict[int, str] = {}
         self._lock = threading.Lock()
         self._mode: str | None = None
+        self._sampler = Sampler(self.options.readback_tensors, self.options.readback_rows)
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
@@ -136,6 +148,34 @@ class SGLangAdapter(Adapter):
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
         with self._lock:
             self._acked = {}
+        self._sampler.reset(seed=version)
+
+    def observe(self, payload: Any) -> None:
+        if self.options.readback:
+            self._sampler.observe(payload)
+
+    def confirm(self, version: int) -> bool:
+        """Read the sampled tensors back (SGLang's `/get_weights_by_name`, first rows as float32
+        lists). True when at least one was read and all equal what was sent; a name SGLang cannot
+        read back (its route answers 400) is skipped; a difference raises."""
+        if not self.options.readback:
+            return False
+        checked = 0
+        for name, want in self._sampler.samples.items():
+            resp = self._request("POST", "/get_weights_by_name",
+                                 {"name": name, "truncate_size": self.options.readback_rows})
+            if resp.status_code != 200:
+                log.info("engine %s: /get_weights_by_name %s -> HTTP %d: %s", self.engine_name,
+                         name, resp.status_code, error_text(resp))
+                continue
+            got = resp.json()
+            ranks = got if depth(got) == depth(want) + 1 else [got]   # data parallel: per rank
+            for g in ranks:
+                if not same(want, g):
+                    raise EngineError(self.engine_name, f"tensor {name!r} read back through "
+                                      f"/get_weights_by_name differs from what was sent")
+            checked += 1
+        return checked > 0
 
     def _ack(self, header: Mapping[str, Any]) -> None:
         with self._lock:

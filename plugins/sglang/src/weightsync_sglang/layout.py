@@ -2,7 +2,7 @@
 
 A payload body is safetensors: 8-byte header length, JSON header, then the data section with the
 tensors back to back, largest itemsize first (so every offset stays aligned to its dtype). That
-data section *is* SGLang's new flattened layout (engine-protocols.md 1.6): one uint8 buffer, mixed
+data section *is* SGLang's new flattened layout (docs/engines.md, SGLang): one uint8 buffer, mixed
 dtypes, no padding, byte offsets. So nothing is copied: the flattened tensor is a view of the body.
 """
 

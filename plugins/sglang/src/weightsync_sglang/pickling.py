@@ -2,7 +2,7 @@
 
 `/update_weights_from_tensor` takes `base64(ForkingPickler.dumps(payload))` per TP rank, and
 SGLang 0.5.23 loads it with a SafeUnpickler that accepts only exact `(module, name)` globals
-(engine-protocols.md 1.5, 1.6). Two of those globals live in SGLang itself:
+(docs/engines.md, SGLang). Two of those globals live in SGLang itself:
 
 - `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata` (the bucket metadata class);
 - `sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified` (CUDA tensors keyed by GPU UUID).

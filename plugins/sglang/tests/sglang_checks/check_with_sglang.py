@@ -11,7 +11,7 @@ What is SGLang's own code here, and what cannot be imported without CUDA-era dep
   srt/multimodal (torchvision.transforms), and no torchvision wheel loads against
   torch 2.13.0+cpu. So their classes and functions are compiled from SGLang's own source file
   (ast: just those definitions, executed in a module that has what they reference) instead of
-  being compared with the reference doc.
+  being compared with docs/engines.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ SRC = Path(sglang.__file__).parent / "srt"
 REQUEST_CLASSES = ["BaseReq", "UpdateWeightFromDiskReqInput", "UpdateWeightsFromDistributedReqInput",
                    "UpdateWeightsFromTensorReqInput", "InitWeightsUpdateGroupReqInput",
                    "DestroyWeightsUpdateGroupReqInput", "UpdateWeightVersionReqInput",
-                   "PauseGenerationReqInput", "ContinueGenerationReqInput", "FlushCacheReqInput"]
+                   "PauseGenerationReqInput", "ContinueGenerationReqInput", "FlushCacheReqInput",
+                   "GetWeightsByNameReqInput"]
 
 
 def compile_from_source(path: Path, names: list[str], module_name: str, env: dict) -> types.ModuleType:

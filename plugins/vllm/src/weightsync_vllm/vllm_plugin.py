@@ -14,3 +14,7 @@ def register() -> None:
         # was started with --weight-transfer-config '{"backend": "weightsync"}'
         WeightTransferEngineFactory.register_engine(BACKEND, "weightsync_vllm.backend",
                                                     "WeightSyncTransferEngine")
+    # vLLM 0.32 on CPU skips the MoE expert prepack on weight updates (see cpu_moe): fix it in
+    # every vLLM process, as soon as the module it patches is imported
+    from .cpu_moe import install
+    install()

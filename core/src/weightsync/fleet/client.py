@@ -1,0 +1,54 @@
+"""Talking to a fleet registry over HTTP: register, heartbeat, deregister, list. Used by
+members (`weightsync serve --fleet`, `weightsync join`, the disk agent), by `weightsync fleet ls`,
+and by a trainer whose registry runs elsewhere (`weightsync fleet serve`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+
+from ..errors import WeightSyncError
+from ..httpclient import auth_headers, error_text
+
+
+class RegistryError(WeightSyncError):
+    """The registry refused a request or could not be reached; the message says which."""
+
+
+class RegistryClient:
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.headers = auth_headers(api_key)
+        self.timeout = timeout
+        self.session = requests.Session()
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            r = self.session.request(method, self.url + path, json=body, headers=self.headers,
+                                     timeout=self.timeout)
+        except requests.RequestException as e:
+            raise RegistryError(f"fleet registry {self.url} cannot be reached "
+                                f"({type(e).__name__}); is it running at that address?") from None
+        if r.status_code != 200:
+            raise RegistryError(f"fleet registry {self.url}: {method} {path} -> HTTP "
+                                f"{r.status_code}: {error_text(r)}")
+        return r.json() if r.content else {}
+
+    def register(self, registration: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/fleet/register", registration)
+
+    def heartbeat(self, name: str, version: int | None = None) -> dict[str, Any]:
+        return self._call("POST", "/fleet/heartbeat", {"name": name, "version": version})
+
+    def deregister(self, name: str) -> None:
+        self._call("POST", "/fleet/deregister", {"name": name})
+
+    def fleet(self) -> dict[str, Any]:
+        return self._call("GET", "/fleet")
+
+    def synced(self, version: int, versions: dict[str, int | None]) -> None:
+        self._call("POST", "/fleet/synced", {"version": version, "versions": versions})
+
+    def close(self) -> None:
+        self.session.close()

@@ -1,0 +1,92 @@
+"""Fleet `registry`: members register at run time. With no `url`, the trainer runs the registry
+itself (on `host:port`) and members register there; with `url`, it reads a registry started on
+its own (`weightsync fleet serve`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..config import ComponentRef, EngineSpec
+from ..httpserver import resolve_key
+from ..interfaces import Fleet, Member
+from .client import RegistryClient
+
+
+class RegistryOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str | None = Field(None, description="a registry started with `weightsync fleet serve`; "
+                                              "unset: run one in the trainer")
+    host: str = Field("127.0.0.1", description="where the trainer's own registry listens")
+    port: int = Field(0, ge=0, le=65535, description="its port (0: any free port)")
+    api_key: str | None = Field(None, description="the registry's key (members and trainer send it)")
+    api_key_file: str | None = Field(None, description="read the key from this file instead")
+    lease: float = Field(10.0, gt=0, le=3600, description="seconds a member stays without a heartbeat")
+    peer_join: bool = Field(True, description="a member that is behind catches up from a peer")
+    health_check: bool = Field(True, description="check a member's engine answers when it registers")
+
+
+class RegistryFleet(Fleet):
+    name = "registry"
+    Options = RegistryOptions
+
+    def __init__(self, options: Any = None, engines: list[Any] | None = None) -> None:
+        super().__init__(options)
+        self.service: Any = None
+        self.client: RegistryClient | None = None
+        self.url: str | None = None
+
+    def open(self, components: Any, default_adapter: Any) -> None:
+        o = self.options
+        key = resolve_key(o.api_key, o.api_key_file, env="WEIGHTSYNC_FLEET_KEY")
+        if o.url:
+            self.client = RegistryClient(o.url, key)
+            self.url = o.url
+            return
+        from ..httpserver import warn_if_open
+        from .service import RegistryService
+        self.service = RegistryService(components, lease=o.lease, api_key=key,
+                                       peer_join=o.peer_join, health_check=o.health_check,
+                                       default_adapter=default_adapter)
+        warn_if_open(o.host, key, "the fleet registry")
+        self.url = self.service.start(o.host, o.port)
+
+    def members(self) -> list[Member]:
+        if self.service is not None:
+            return self.service.members()
+        assert self.client is not None
+        out = []
+        for m in self.client._call("GET", "/fleet?with_keys=1")["members"]:
+            reg = m.get("registration") or {}
+            if m["role"] == "engine" and m["state"] in ("live", "behind") and reg:
+                spec = EngineSpec(url=reg["url"], name=reg["name"], api_key=reg.get("api_key"),
+                                  adapter=ComponentRef.model_validate(reg.get("adapter") or "reference"),
+                                  options=reg.get("options") or {})
+                out.append(Member(m["name"], spec, m.get("version"), {"state": m["state"]}))
+        return out
+
+    def excluded(self) -> dict[str, str]:
+        if self.service is not None:
+            return self.service.excluded()
+        assert self.client is not None
+        out = {}
+        for m in self.client.fleet()["members"]:
+            if m["role"] == "engine" and m["state"] == "joining":
+                out[m["name"]] = f"catching up from peer {m.get('via') or '?'}"
+            elif m["role"] == "engine" and m["state"] == "lapsed":
+                out[m["name"]] = m.get("error") or "lease lapsed"
+        return out
+
+    def synced(self, version: int, versions: Any) -> None:
+        if self.service is not None:
+            self.service.roster.synced(version, dict(versions))
+            self.service.catchup.poke()
+        elif self.client is not None:
+            self.client.synced(version, dict(versions))
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
+        if self.client is not None:
+            self.client.close()

@@ -1,0 +1,189 @@
+"""The fleet registry service: members register, heartbeat and deregister over HTTP; a member
+that registers (or comes back) at an older version catches up from a current peer before it takes
+part in pushes. Runs inside the trainer (`fleet: {kind: registry}`) or on its own
+(`weightsync fleet serve`).
+
+  POST /fleet/register    Registration JSON -> {"lease": s, "version": current, "member": {...}}
+  POST /fleet/heartbeat   {"name": n, "version": v?} -> the member's view
+  POST /fleet/deregister  {"name": n}
+  GET  /fleet             {"version": current, "lease": s, "members": [...]}
+                          (?with_keys=1: with each member's engine key, for a remote trainer)
+  POST /fleet/synced      {"version": v, "versions": {name: v}}: what a push did
+
+Every route needs the registry's API key when it has one."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..config import ComponentRef, build_options
+from ..errors import PluginError, WeightSyncError
+from ..httpserver import HttpError, Routes, Server, make_server
+from ..interfaces import Adapter, Member
+from .catchup import CatchUp
+from .roster import MemberState, Registration, Roster
+
+log = logging.getLogger("weightsync.fleet")
+routes = Routes()
+
+
+class RegistryService:
+    def __init__(self, components: Any, *, lease: float = 10.0, api_key: str | None = None,
+                 peer_join: bool = True, health_check: bool = True,
+                 default_adapter: ComponentRef | None = None, peer_ttl: float = 600.0) -> None:
+        self.components = components
+        self.roster = Roster(lease)
+        self.api_key = api_key
+        self.health_check = health_check
+        self.default_adapter = default_adapter or ComponentRef(kind="reference")
+        self.adapters: dict[str, tuple[tuple, Adapter]] = {}
+        self.lock = threading.Lock()
+        self.catchup = CatchUp(self, enabled=peer_join, ttl=peer_ttl)
+        self.server: Server | None = None
+        self.url: str | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self.server = make_server(routes, host, port, api_key=self.api_key, name="fleet registry",
+                                  state={"service": self})
+        real = self.server.server_address[1]
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{real}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
+                         name="ws-registry", daemon=True).start()
+        self.catchup.start()
+        log.info("fleet registry serving on %s (lease %.1fs)", self.url, self.roster.lease)
+        return self.url
+
+    def close(self) -> None:
+        self.catchup.stop()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        for _, a in self.adapters.values():
+            a.close()
+
+    # -- members ------------------------------------------------------------------------------
+    def adapter(self, m: MemberState) -> Adapter:
+        """The adapter that speaks to member `m` (built once per registration)."""
+        key = (m.reg.url, m.reg.adapter.model_dump_json(), repr(sorted(m.reg.options.items())),
+               m.reg.api_key)
+        with self.lock:
+            hit = self.adapters.get(m.reg.name)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+            cls = self.components.adapters.get(m.reg.adapter.kind)
+            a = cls(build_options(cls, m.reg.adapter, "adapter", m.reg.options), m.reg.spec())
+            if hit is not None:
+                hit[1].close()
+            self.adapters[m.reg.name] = (key, a)
+            return a
+
+    def register(self, raw: Any) -> dict[str, Any]:
+        try:
+            reg = Registration.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise HttpError(400, f"bad registration: {'.'.join(map(str, err['loc']))}: "
+                                 f"{err['msg']}") from None
+        try:
+            reg.spec()                   # the url must look like http://host:port
+            if reg.role == "engine":     # a host (a disk puller) is shown, never pushed to
+                cls = self.components.adapters.get(reg.adapter.kind)
+                build_options(cls, reg.adapter, "adapter", reg.options)
+        except (PluginError, WeightSyncError, ValueError) as e:
+            raise HttpError(400, f"registration of {reg.name!r} refused: {e}") from None
+        self.roster.check_name(reg)
+        if self.health_check and reg.role == "engine":
+            probe = cls(build_options(cls, reg.adapter, "adapter", reg.options), reg.spec())
+            probe.deadline = None
+            try:
+                status = probe.health()
+            except Exception as e:  # noqa: BLE001 - said back to the member
+                raise HttpError(400, f"registration of {reg.name!r} refused: its engine at "
+                                     f"{reg.url} cannot be reached: {e}") from None
+            finally:
+                probe.close()
+            if reg.version is None:
+                reg = reg.model_copy(update={"version": status.version})
+        m = self.roster.register(reg)
+        self.catchup.failed.pop(reg.name, None)     # a new registration gets a fresh try
+        self.catchup.poke()
+        log.info("member %s registered at %s (%s, version %s)", reg.name, reg.url,
+                 reg.adapter.kind, m.version)
+        return {"lease": self.roster.lease, "version": self.roster.current,
+                "member": m.view(0.0)}
+
+    def members(self) -> list[Member]:
+        """Members a push starting now must reach: engines, live or behind, lease valid."""
+        self.roster.expire()
+        with self.roster.lock:
+            return [Member(m.reg.name, m.reg.spec(), m.version, {"state": m.state})
+                    for m in self.roster.members.values()
+                    if m.reg.role == "engine" and m.state in ("live", "behind")]
+
+    def excluded(self) -> dict[str, str]:
+        self.roster.expire()
+        with self.roster.lock:
+            out = {}
+            for m in self.roster.members.values():
+                if m.reg.role != "engine":
+                    continue
+                if m.state == "joining":
+                    out[m.reg.name] = f"catching up from peer {m.via or '?'}"
+                elif m.state == "lapsed":
+                    out[m.reg.name] = m.error or "lease lapsed"
+            return out
+
+
+# -- routes -----------------------------------------------------------------------------------
+@routes.add("POST", "/fleet/register", max_body=256 * 1024)
+def _register(h: Any, q: dict) -> Any:
+    return h.service.register(h.json_body())
+
+
+@routes.add("POST", "/fleet/heartbeat", max_body=64 * 1024)
+def _heartbeat(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    v = body.get("version")
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise HttpError(400, f"version must be a non-negative integer, got {v!r}")
+    m = h.service.roster.heartbeat(str(body.get("name", "")), v)
+    h.service.catchup.poke()
+    return m.view(0.0) | {"lease": h.service.roster.lease}
+
+
+@routes.add("POST", "/fleet/deregister", max_body=64 * 1024)
+def _deregister(h: Any, q: dict) -> Any:
+    name = str(h.json_body().get("name", ""))
+    h.service.roster.deregister(name)
+    log.info("member %s deregistered", name)
+    return {"ok": True}
+
+
+@routes.add("GET", "/fleet", max_body=0)
+def _fleet(h: Any, q: dict) -> Any:
+    view = h.service.roster.view()
+    if q.get("with_keys", ["0"])[0] == "1":
+        with h.service.roster.lock:
+            regs = {m.reg.name: m.reg for m in h.service.roster.members.values()}
+        for m in view["members"]:
+            r = regs.get(m["name"])
+            if r is not None:
+                m["registration"] = r.model_dump(mode="json")
+    return view
+
+
+@routes.add("POST", "/fleet/synced", max_body=16 * 2**20)
+def _synced(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    versions = body.get("versions") or {}
+    if not isinstance(versions, dict):
+        raise HttpError(400, "versions must map member names to versions")
+    h.service.roster.synced(int(body["version"]), {str(k): (None if v is None else int(v))
+                                                   for k, v in versions.items()})
+    h.service.catchup.poke()
+    return {"ok": True}

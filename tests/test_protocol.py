@@ -1,0 +1,324 @@
+"""The sync protocol against real reference-engine processes: engines that stage a round keep
+generating during the transfer and pause only for the swap; rounds have ids and leases (a dead
+trainer's round lapses and the engine serves its old version again); one live round per engine;
+a push has a deadline; reports never say more than was checked."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import requests
+import torch
+
+from weightsync import SyncError, WeightSync
+from weightsync.testing import EngineProcess
+from weightsync.testing.models import build_tiny_model, greedy
+from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
+
+PROMPT = [1, 17, 42, 99, 7]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("protocol") / "model"
+    build_tiny_model(d, "llama", hidden=64, intermediate=256, layers=4)
+    return d
+
+
+def slow(sd: dict[str, torch.Tensor], pause: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """A trainer whose export takes time (an FSDP gather, say): the round stays open meanwhile."""
+    for n, t in sd.items():
+        time.sleep(pause)
+        yield n, t
+
+
+def cfg(engines: list[EngineProcess], transport: str = "http", **sync: Any) -> dict[str, Any]:
+    return {"transport": transport, "engines": [e.spec() for e in engines],
+            "exporter": {"kind": "torch", "options": {"bucket_bytes": 16 * 1024}},
+            "sync": {"progress": "off", **sync}}
+
+
+def post(engine: EngineProcess, path: str, body: Any = None, rid: str | None = None) -> requests.Response:
+    headers = {"X-Weightsync-Round": rid} if rid else {}
+    return requests.post(engine.url + path, json=body or {}, headers=headers, timeout=30)
+
+
+# -- 1. pause only around the swap ------------------------------------------------------------
+@pytest.mark.parametrize("pause", ["swap", "sync"])
+def test_generation_runs_during_the_transfer_and_pauses_only_for_the_swap(
+        llama_dir: Path, tmp_path: Path, pause: str) -> None:
+    from weightsync.testing.models import load_trainer_model
+    model = load_trainer_model(llama_dir)
+    with EngineProcess(llama_dir, log=tmp_path / "e.log") as eng:
+        old = greedy(model, PROMPT, 4)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        new = greedy(model, PROMPT, 4)
+        assert new != old
+        seen: dict[str, Any] = {}
+
+        def during() -> None:            # once the round is open: generate, watch the pause
+            while (h := eng.health())["round"] is None:
+                time.sleep(0.005)
+            seen["paused_while_open"] = h["paused"]
+            if pause == "swap":
+                seen["out"] = eng.generate(PROMPT, 4)
+            seen["after"] = eng.health()
+
+        th = threading.Thread(target=during)
+        th.start()
+        with WeightSync.from_config(cfg([eng], pause=pause)) as sync:
+            report = sync.push(slow(model.state_dict(), 0.02), version=1)
+        th.join(30)
+        assert report.ok and report.verified
+        if pause == "swap":
+            assert seen["paused_while_open"] is None          # generating while staging
+            assert seen["out"]["output_ids"] == old and seen["out"]["finish_reason"] == "length"
+            assert seen["out"]["weight_version"] == 0
+            assert seen["after"]["round"] is not None          # it finished before the swap
+            assert report.pause_window < report.seconds["total"] / 2
+        else:
+            assert seen["paused_while_open"] == "abort"        # the old way: paused throughout
+            assert report.pause_window >= report.seconds["export"]
+        after = eng.generate(PROMPT, 4)
+        assert after["output_ids"] == new and after["weight_version"] == 1
+
+
+# -- 2. leases: a trainer SIGKILLed at random moments -----------------------------------------
+_ZYGOTE = textwrap.dedent("""
+    # Imports torch and weightsync once, then forks one trainer per line read: a trainer starts
+    # in milliseconds and the test can SIGKILL it at any moment of its push.
+    import os, sys, time
+    import torch
+    from weightsync import WeightSync
+    from weightsync.testing.sample import perturb, sample_state_dict
+    url, transport, pause = sys.argv[1], sys.argv[2], sys.argv[3]
+    for line in sys.stdin:
+        version = int(line)
+        pid = os.fork()
+        if pid:
+            print(pid, flush=True)
+            os.waitpid(pid, 0)
+            continue
+        sd = perturb(sample_state_dict(scale=4), version)
+        def slow():
+            for n, t in sd.items():
+                time.sleep(0.03)
+                yield n, t
+        opts = {"device": "cpu"} if transport == "shm" else {}
+        cfg = {"transport": {"kind": transport, "options": opts}, "engines": [{"url": url, "name": "e"}],
+               "sync": {"lease": 1.0, "pause": pause, "progress": "off"},
+               "exporter": {"kind": "torch", "options": {"bucket_bytes": 4096}}}
+        with WeightSync.from_config(cfg) as sync:
+            sync.push(slow(), version=version)
+        os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("transport,pause", [("http", "swap"), ("shm", "sync")])
+def test_a_killed_trainers_round_lapses_and_the_engine_serves_its_old_version(
+        llama_dir: Path, tmp_path: Path, transport: str, pause: str) -> None:
+    base = sample_state_dict(scale=4)
+    states = {0: base}
+    rng = random.Random(13)
+    model = write_weights_only_model(tmp_path / "m", base)
+    with EngineProcess(model, log=tmp_path / "e.log") as eng:
+        committed = 0
+        zygote = subprocess.Popen([sys.executable, "-c", _ZYGOTE, eng.url, transport, pause],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            for trial in range(10):
+                version = committed + 1
+                states[version] = perturb(base, version)
+                zygote.stdin.write(f"{version}\n")
+                zygote.stdin.flush()
+                pid = int(zygote.stdout.readline())
+                time.sleep(rng.uniform(0.0, 1.2))            # the push takes about 1.5 s
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                while time.monotonic() - killed < 1.0 + 1.0:  # lease + 1 s
+                    h = eng.health()
+                    if h["round"] is None and h["paused"] is None:
+                        break
+                    time.sleep(0.02)
+                h = eng.health()
+                assert h["round"] is None and h["paused"] is None, f"trial {trial}: still {h}"
+                assert h["version"] in (committed, version), h
+                committed = h["version"]
+                got = eng.weights()
+                assert all(torch.equal(got[n], t) for n, t in states[committed].items()), trial
+        finally:
+            zygote.kill()
+            zygote.wait(10)
+        # the next trainer's push succeeds
+        with WeightSync.from_config(cfg([eng], transport, lease=1.0)) as sync:
+            sd = perturb(base, 99)
+            assert sync.push(sd, version=committed + 1).verified
+        got = eng.weights()
+        assert all(torch.equal(got[n], t) for n, t in sd.items())
+
+
+# -- 3. round ids ----------------------------------------------------------------------------
+def test_one_live_round_ids_on_every_call_and_a_name_once_per_round(tmp_path: Path) -> None:
+    sd = sample_state_dict()
+    with EngineProcess(write_weights_only_model(tmp_path / "m", sd), log=tmp_path / "e.log") as eng:
+        plan = {"transport": {"kind": "http"}, "encoding": {"kind": "raw"}}
+        r = post(eng, "/weightsync/begin", {**plan, "version": 1, "lease": 5})
+        assert r.status_code == 200
+        rid = r.json()["round"]
+        r2 = post(eng, "/weightsync/begin", {**plan, "version": 2, "lease": 5})
+        assert r2.status_code == 409
+        msg = r2.json()["error"]
+        assert f"round {rid} (version 1) is open" in msg and "version 2 is refused" in msg
+        assert "lease expires in" in msg
+        r3 = post(eng, "/weightsync/end", rid="someone-else")
+        assert r3.status_code == 409
+        assert "round someone-else is not the open round" in r3.json()["error"] and rid in r3.json()["error"]
+        assert post(eng, "/weightsync/abort", rid="someone-else").status_code == 409
+        assert eng.health()["round"]["id"] == rid             # a wrong id aborts nothing
+        # the same tensor in two buckets of one round is refused
+        from weightsync.encodings.raw import RawEncoding
+        from weightsync.bucket import Bucket
+        from weightsync.wire import frame
+        name = "model.norm.weight"
+        enc = RawEncoding()
+        for index in (0, 1):
+            p = enc.encode(Bucket(index, [(name, sd[name])], last=index == 1))
+            parts = frame(p.header(), p.body)
+            resp = requests.post(eng.url + "/weightsync/payload", data=b"".join(bytes(x) for x in parts),
+                                 headers={"X-Weightsync-Round": rid}, timeout=30)
+            if index == 0:
+                assert resp.status_code == 200
+            else:
+                assert resp.status_code == 400
+                assert f"tensor {name!r} was already sent in this round" in resp.json()["error"]
+        assert post(eng, "/weightsync/abort", rid=rid).status_code == 200
+        assert eng.health()["round"] is None and eng.health()["version"] == 0
+
+
+def test_two_trainers_pushing_at_once_never_mix_their_weights(tmp_path: Path) -> None:
+    base = sample_state_dict(scale=2)
+    with EngineProcess(write_weights_only_model(tmp_path / "m", base), log=tmp_path / "e.log") as eng:
+        states: dict[int, dict[str, torch.Tensor]] = {0: base}
+        outcomes = {"committed": 0, "refused": 0}
+        for trial in range(20):
+            v = eng.health()["version"]
+            pushes = {"A": v + 1, "B": v + 2}
+            for who, ver in pushes.items():
+                states[ver] = perturb(base, 1000 * trial + ver + (0 if who == "A" else 500))
+            errors: dict[str, BaseException] = {}
+
+            def run(who: str) -> None:
+                try:
+                    with WeightSync.from_config(cfg([eng], lease=5.0)) as sync:
+                        sync.push(slow(states[pushes[who]], 0.002), version=pushes[who])
+                except SyncError as e:
+                    errors[who] = e
+            threads = [threading.Thread(target=run, args=(w,)) for w in pushes]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            h = eng.health()
+            assert h["round"] is None
+            got = eng.weights()
+            assert all(torch.equal(got[n], t) for n, t in states[h["version"]].items()), (trial, h)
+            outcomes["committed"] += 2 - len(errors)
+            outcomes["refused"] += len(errors)
+            for e in errors.values():
+                assert "is open" in str(e) or "not newer" in str(e), e
+        assert outcomes["refused"] > 0 and outcomes["committed"] >= 20
+
+
+# -- 4. deadline -----------------------------------------------------------------------------
+@pytest.mark.parametrize("transport,when", [("http", "before"), ("http", "during"), ("shm", "during")])
+def test_a_hung_engine_is_dropped_within_the_deadline(tmp_path: Path, transport: str, when: str) -> None:
+    sd = sample_state_dict(scale=4)
+    model = write_weights_only_model(tmp_path / "m", sd)
+    engines = [EngineProcess(model, name=f"e{i}", log=tmp_path / f"e{i}.log").start() for i in range(3)]
+    hung = engines[1]
+    try:
+        c = cfg(engines, transport, deadline=12.0, lease=2.0)
+        if transport == "shm":
+            c["transport"] = {"kind": "shm", "options": {"device": "cpu"}}
+        for spec in c["engines"]:
+            spec["options"] = {"timeout": 2.0, "payload_timeout": 3.0}
+        new = perturb(sd, 1)
+
+        def model_iter() -> Iterator[tuple[str, torch.Tensor]]:
+            for i, (n, t) in enumerate(new.items()):
+                if when == "during" and i == 5:
+                    os.kill(hung.proc.pid, signal.SIGSTOP)
+                    time.sleep(0.2)
+                yield n, t
+        if when == "before":
+            os.kill(hung.proc.pid, signal.SIGSTOP)
+        with WeightSync.from_config(c) as sync:
+            t0 = time.monotonic()
+            with pytest.raises(SyncError) as err:
+                sync.push(model_iter(), version=1)
+            took = time.monotonic() - t0
+        report = err.value.report
+        assert took < 12.0 + 1.0, took
+        bad = report.engines["e1"]
+        assert not bad.ok and bad.stage in ("health", "send") and bad.status == "failed"
+        assert "e1" in str(err.value)
+        for e in (engines[0], engines[2]):
+            o = report.engines[e.name]
+            assert o.ok and o.status == "verified" and o.version == 1 and o.seconds > 0
+            h = e.health()
+            assert h["version"] == 1 and h["paused"] is None and h["round"] is None
+            got = e.weights()
+            assert all(torch.equal(got[n], t) for n, t in new.items())
+        assert report.versions() == {"e0": 1, "e1": None if bad.stage == "health" else 0, "e2": 1}
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        for e in engines:
+            e.stop()
+
+
+# -- 5. one version across the fleet; commit failures --------------------------------------------
+def test_an_engine_failing_at_commit_is_reported_with_the_version_it_holds(tmp_path: Path) -> None:
+    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync.hookspecs import hookimpl
+    from weightsync.plugins import load_components, make_plugin_manager
+
+    class RefusesCommit(ReferenceAdapter):
+        name = "refuses_commit"
+
+        def commit(self, version: int) -> None:
+            self.abort()
+            raise RuntimeError("the engine refused the commit")
+
+    class Plugin:
+        @hookimpl
+        def register_adapters(self, register: Any) -> None:
+            register(RefusesCommit)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="test-refuses-commit")
+    sd = sample_state_dict()
+    model = write_weights_only_model(tmp_path / "m", sd)
+    with EngineProcess(model, name="good", log=tmp_path / "a.log") as a, \
+            EngineProcess(model, name="bad", log=tmp_path / "b.log") as b:
+        c = cfg([a, b], failure_policy="continue")
+        c["engines"][1]["adapter"] = {"kind": "refuses_commit"}
+        with WeightSync.from_config(c, components=load_components(pm)) as sync:
+            report = sync.push(perturb(sd, 1), version=1)
+        assert not report.ok and report.versions() == {"good": 1, "bad": 0}
+        o = report.engines["bad"]
+        assert o.stage == "commit" and "refused the commit" in o.error and o.version == 0
+        assert "bad failed at commit (holds version 0)" in report.summary()
+        assert a.health()["version"] == 1 and b.health()["version"] == 0
+        assert b.health()["paused"] is None
