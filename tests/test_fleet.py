@@ -7,6 +7,7 @@ for `min_version=v` never get tokens of an older version. With raw and with delt
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -63,7 +64,8 @@ def vllm_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def sidecar(registry: str, server: Any, log: Path) -> subprocess.Popen:
     env = {**os.environ, "WEIGHTSYNC_FLEET_KEY": KEY, "WEIGHTSYNC_ENGINE_KEY": server.api_key}
     return subprocess.Popen([sys.executable, "-m", "weightsync", "join", "--fleet", registry,
-                             "--engine", "vllm", "--url", server.url, "--name", "vllm"],
+                             "--engine", "vllm", "--url", server.url, "--name", "vllm",
+                             "--options", json.dumps({"token": server.token})],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -76,7 +78,8 @@ def test_an_elastic_fleet_stays_on_the_trainers_weights(model_dir: Path, vllm_se
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     from weightsync_vllm.adapter import VllmAdapter, VllmOptions
     from weightsync.config import EngineSpec
-    vl = VllmAdapter(VllmOptions(), EngineSpec(**vllm_server.spec()))
+    spec = EngineSpec(**vllm_server.spec())
+    vl = VllmAdapter(VllmOptions(**spec.options), spec)
     vl.load_from_disk(str(model_dir), 0)                 # every run starts from the checkpoint
     enc: Any = "raw" if encoding == "raw" else {"kind": "delta",
                                                 "options": {"base_checkpoint": str(model_dir)}}

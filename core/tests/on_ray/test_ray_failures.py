@@ -176,8 +176,10 @@ def test_an_engine_process_that_dies_takes_its_actor_with_it(cluster: dict[str, 
 
     model = write_initial_checkpoint(tmp_path / "model")
     fleet = start_fleet("crash", cleanup)
+    # pinned to node b: Ray restarts the actor there (with only `resources`, any node that has
+    # them may take the restarted actor)
     engine = start_engine("c0", EngineLaunch(model=str(model)), fleet=("crash", NS),
-                          resources={"engine": 1}, log_dir=str(tmp_path))
+                          node_id=cluster["b"], log_dir=str(tmp_path))
     cleanup.append(lambda: stop_actors([engine]))
     before = wait_ready([engine], timeout=180)[0]
     try:

@@ -193,7 +193,8 @@ def test_an_exception_while_writing_is_undone_after_every_worker_stopped(
     assert "writing it failed (RuntimeError: boom); the delta was not applied and the local " \
            "checkpoint stays at version 1" in msg, msg
     # 1, 2 and 4 were written (4 finished before the error surfaced), then the three put back
-    assert sorted(finished[:3]) == [1, 2, 4] and finished[3:] == [5, 6, 7], (calls, finished)
+    # (the undo runs on the same two workers: its three writes finish in any order)
+    assert sorted(finished[:3]) == [1, 2, 4] and sorted(finished[3:]) == [5, 6, 7], (calls, finished)
     monkeypatch.setattr(kernels, "swap", real)
     assert whole_version(at_v1["agent"].local.path, at_v1["states"]) == 1
     assert at_v1["agent"].sync_local() == 2

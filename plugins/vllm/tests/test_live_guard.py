@@ -44,6 +44,7 @@ def _changed(live: Live, seed: int) -> torch.nn.Module:
 
 def _config(live: Live, transport: str, token: str | None, key_file: Path | None) -> dict[str, Any]:
     cfg = live.config(transport)
+    cfg["engines"] = [{**e, "options": {}} for e in cfg["engines"]]     # no token from the spec
     cfg["adapter"] = {"kind": "vllm", "options": {"token": token} if token else {}}
     if key_file is not None:
         cfg["sync"] = {**cfg["sync"], "hmac_key_file": str(key_file)}
@@ -86,8 +87,7 @@ def test_unsigned_payloads_are_refused_signed_ones_land(guarded: tuple[Live, Pat
 
 def test_load_from_disk_only_below_the_load_roots(guarded: tuple[Live, Path, list[int]]) -> None:
     live, loads, served = guarded
-    adapter = live.adapter()
-    adapter.token = TOKEN
+    adapter = live.adapter()                  # with the server's token (its spec's options)
     before = live.weight_version()
     with pytest.raises(Exception, match="outside \\$WEIGHTSYNC_VLLM_LOAD_ROOTS"):
         adapter.load_from_disk(str(live.model_dir), 100)
@@ -102,3 +102,21 @@ def test_load_from_disk_only_below_the_load_roots(guarded: tuple[Live, Path, lis
     adapter.load_from_disk(str(inside), 101)
     assert live.weight_version() == "101"
     assert live.greedy() == served            # the served checkpoint again, whatever ran before
+
+
+def test_a_server_without_a_token_refuses_updates_unless_insecure() -> None:
+    """The backend's check itself (no server needed): without $WEIGHTSYNC_VLLM_TOKEN every call
+    is refused, saying how to set one; $WEIGHTSYNC_VLLM_INSECURE=1 opens it on purpose."""
+    if not HAVE_VLLM:
+        pytest.skip(reason=WHY_NOT)
+    from types import SimpleNamespace
+
+    from weightsync.errors import PayloadError
+    from weightsync_vllm.backend import WeightSyncTransferEngine
+    authorize = WeightSyncTransferEngine._authorize
+    with pytest.raises(PayloadError, match="has no \\$WEIGHTSYNC_VLLM_TOKEN.*restart it with"):
+        authorize(SimpleNamespace(token=None, open=False), "anything")
+    authorize(SimpleNamespace(token=None, open=True), None)            # insecure: accepted
+    authorize(SimpleNamespace(token=TOKEN, open=False), TOKEN)
+    with pytest.raises(PayloadError, match="weightsync token wrong"):
+        authorize(SimpleNamespace(token=TOKEN, open=False), TOKEN + "x")

@@ -213,7 +213,7 @@ class TestVllmAdapterContract(AdapterContract):
         return EngineSpec(**server.spec()), server.stop
 
     def make_adapter(self, spec: EngineSpec) -> VllmAdapter:
-        return VllmAdapter(VllmOptions(), spec)
+        return VllmAdapter(VllmOptions(**spec.options), spec)
 
     def make_model(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self._model.items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import secrets
 import sys
 from typing import Any
 
@@ -60,6 +61,11 @@ def command(launch: EngineLaunch, host: str, port: int, name: str
                 "--host", "{host}", "--port", "{port}", "--served-model-name", "{name}",
                 "--weight-transfer-config", json.dumps({"backend": "weightsync"})] + launch.args
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")     # vLLM serves its update routes only then
+        # the weightsync backend takes updates only with its own token: the adapter's, else one
+        # made for this engine (kept in the launch, so the registration hands it to the trainer)
+        token = (launch.adapter.options.get("token") or env.get("WEIGHTSYNC_VLLM_TOKEN")
+                 or secrets.token_hex(16))
+        launch.adapter.options["token"] = env["WEIGHTSYNC_VLLM_TOKEN"] = token
         if launch.api_key:
             env["VLLM_API_KEY"] = launch.api_key
     else:

@@ -46,7 +46,7 @@ from safetensors.torch import save
 from ..errors import PayloadError
 from ..httpserver import HttpError, Routes, Server, make_server as make_http_server
 from ..httpserver import MiB, resolve_key, warn_if_open
-from ..wire import unframe
+from ..wire import read_frame_header
 from .engine import ReferenceEngine, VersionGate
 
 log = logging.getLogger("weightsync.server")
@@ -134,8 +134,11 @@ def _renew(h: Any, q: dict) -> Any:
 def _payload(h: Any, q: dict) -> Any:
     if h.engine.round is None or _rid(h) != h.engine.round.id:
         h.engine._current(_rid(h))        # refuse (409) before reading the body
-    header, body = unframe(h.read_body())
-    return {"digest": h.engine.apply(_rid(h), header, body)}
+    # the body is read straight into the round's staging tensors as it arrives, each piece
+    # hashed while in cache (`ReceiveSession.apply_stream`); no whole-body buffer
+    read_into = h.body_reader()
+    header, nbytes = read_frame_header(read_into, read_into.left)
+    return {"digest": h.engine.apply_stream(_rid(h), header, read_into, nbytes)}
 
 
 @routes.add("POST", "/weightsync/announce", max_body=JSON_CAP)

@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -211,6 +211,11 @@ class ReferenceEngine:
 
     def apply(self, rid: str | None, header: Mapping[str, Any], body: memoryview | None) -> str:
         return self._current(rid).session.apply(header, body)
+
+    def apply_stream(self, rid: str | None, header: Mapping[str, Any],
+                     read_into: Callable[[memoryview], int], nbytes: int) -> str:
+        """`apply` for a body still arriving on the request (the http payload route)."""
+        return self._current(rid).session.apply_stream(header, read_into, nbytes)
 
     def end(self, rid: str | None) -> dict[int, str]:
         return self._current(rid).session.end()

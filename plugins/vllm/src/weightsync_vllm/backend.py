@@ -46,7 +46,7 @@ from weightsync.errors import PayloadError
 from weightsync.receiver import read_checkpoint
 from weightsync.signing import load_key
 
-from .guard import TOKEN_ENV, check_root, load_roots, load_token
+from .guard import INSECURE_ENV, TOKEN_ENV, check_root, insecure, load_roots, load_token
 from .staging import CheckpointIndex, Round, build_encoding, build_receiver
 
 log = logging.getLogger("weightsync.vllm")
@@ -101,10 +101,12 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.token = load_token()
         self.hmac_key = load_key()                # $WEIGHTSYNC_HMAC_KEY: payloads must be signed
         self.load_roots = load_roots()
+        self.open = self.token is None and insecure()
         if self.token is None:
-            log.warning("weightsync backend: no $%s is set, so anyone who reaches this server's "
-                        "weight-transfer routes can change its weights; set one and give the "
-                        "vllm adapter the same `token`", TOKEN_ENV)
+            log.warning("weightsync backend: no $%s is set: %s", TOKEN_ENV,
+                        f"${INSECURE_ENV} lets anyone who reaches this server's weight-transfer "
+                        f"routes change its weights" if self.open else
+                        "every weight update is refused until the server is restarted with one")
         threading.Thread(target=self._watch, name="weightsync-lease", daemon=True).start()
         log.info("weightsync backend ready: %d checkpoint tensors from %s",
                  len(self.index.specs), self.model_config.model)
@@ -116,8 +118,17 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             self._init(init_info)
 
     def _authorize(self, token: str | None) -> None:
-        if self.token is not None and not (isinstance(token, str)
-                                           and hmac.compare_digest(token, self.token)):
+        """vLLM's --api-key does not cover the weight-transfer routes: the backend's own token
+        must come with every init_info and update_info."""
+        if self.token is None:
+            if self.open:
+                return
+            raise PayloadError(f"this vLLM server has no ${TOKEN_ENV}: the weightsync backend "
+                               f"refuses weight updates without a token of its own (vLLM's "
+                               f"--api-key does not cover these routes); restart it with "
+                               f"${TOKEN_ENV} or ${TOKEN_ENV}_FILE set and give the vllm adapter "
+                               f"the same `token` (or ${INSECURE_ENV}=1 on a trusted host)")
+        if not (isinstance(token, str) and hmac.compare_digest(token, self.token)):
             raise PayloadError(f"weightsync token {'missing' if token is None else 'wrong'}: this "
                                f"server was started with ${TOKEN_ENV}; give the vllm adapter the "
                                f"same token (option `token`)")

@@ -12,6 +12,12 @@ from weightsync.errors import PayloadError
 TOKEN_ENV = "WEIGHTSYNC_VLLM_TOKEN"
 TOKEN_FILE_ENV = "WEIGHTSYNC_VLLM_TOKEN_FILE"
 ROOTS_ENV = "WEIGHTSYNC_VLLM_LOAD_ROOTS"
+INSECURE_ENV = "WEIGHTSYNC_VLLM_INSECURE"
+
+
+def insecure() -> bool:
+    """The operator chose to run without a token ($WEIGHTSYNC_VLLM_INSECURE=1): a trusted host."""
+    return os.environ.get(INSECURE_ENV, "") in ("1", "true", "yes")
 
 
 def load_token() -> str | None:

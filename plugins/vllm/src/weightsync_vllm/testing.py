@@ -8,6 +8,7 @@ eager mode. It runs in its own process group so `stop()` ends the engine core an
 from __future__ import annotations
 
 import json
+import secrets
 import os
 import signal
 import subprocess
@@ -92,7 +93,9 @@ class VllmServer:
         self.kv_cache_bytes = kv_cache_bytes
         self.max_model_len = max_model_len
         self.extra_args = list(extra_args or [])
-        self.env = env or {}
+        self.env = dict(env or {})
+        # the weightsync backend refuses updates without its own token: one per server
+        self.token = self.env.setdefault("WEIGHTSYNC_VLLM_TOKEN", secrets.token_hex(16))
         self.name = name or f"vllm-{self.port}"
         self.proc: subprocess.Popen | None = None
         self._fh: IO | None = None
@@ -102,7 +105,7 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def spec(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"url": self.url, "name": self.name}
+        d: dict[str, Any] = {"url": self.url, "name": self.name, "options": {"token": self.token}}
         if self.api_key:
             d["api_key"] = self.api_key
         return d
@@ -221,7 +224,8 @@ class Live:
 
     def adapter(self) -> Any:
         from .adapter import VllmAdapter, VllmOptions
-        return VllmAdapter(VllmOptions(), self.spec)
+        spec = self.spec
+        return VllmAdapter(VllmOptions(**spec.options), spec)
 
     def version(self) -> int:
         return self.adapter().health().version
