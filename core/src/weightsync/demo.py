@@ -69,6 +69,18 @@ def _step(model: Any, opt: Any, data: Any) -> float:
     return float(loss.item())
 
 
+def _train_and_push(sync: Any, model: Any, opt: Any, data: Any, step: int) -> tuple[float, Any, float]:
+    """One training step and the push of its weights: (loss, report or None if it failed, s)."""
+    loss = _step(model, opt, data)
+    t0 = time.perf_counter()
+    try:
+        r = sync.push(model, version=step)
+    except SyncError as e:
+        print(f"step {step}: loss {loss:.4f}: SYNC FAILED: {e}")
+        return loss, None, time.perf_counter() - t0
+    return loss, r, time.perf_counter() - t0
+
+
 def _fleet_demo(work: Path, steps: int) -> int:
     from .fleet.client import RegistryClient
     from .pipeline import WeightSync
@@ -111,15 +123,10 @@ def _fleet_demo(work: Path, steps: int) -> int:
                           f"{m.get('via')} (peer join, digests checked)" if caught else
                           "        engine-b did not catch up in time")
                     ok &= caught
-                loss = _step(model, opt, data)
-                t0 = time.perf_counter()
-                try:
-                    r = sync.push(model, version=step)
-                except SyncError as e:
-                    print(f"step {step}: loss {loss:.4f}: SYNC FAILED: {e}")
+                loss, r, took = _train_and_push(sync, model, opt, data, step)
+                if r is None:
                     ok = False
                     continue
-                took = time.perf_counter() - t0
                 synced = [n for n, o in r.engines.items() if o.ok]
                 note = "".join(f"; {n} left" for n in r.left) + \
                     "".join(f"; {n} excluded ({why})" for n, why in r.excluded.items())
@@ -174,15 +181,10 @@ def _plugin_demo(engine: str, work: Path, steps: int) -> int:
     try:
         with WeightSync.from_config(config) as sync:
             for step in range(1, steps + 1):
-                loss = _step(model, opt, data)
-                t0 = time.perf_counter()
-                try:
-                    r = sync.push(model, version=step)
-                except SyncError as e:
-                    print(f"step {step}: loss {loss:.4f}: SYNC FAILED: {e}")
+                loss, r, took = _train_and_push(sync, model, opt, data, step)
+                if r is None:
                     ok = False
                     continue
-                took = time.perf_counter() - t0
                 print(f"step {step}: loss {loss:.4f} | version {r.version} | "
                       f"{r.wire_bytes / 2**20:.2f} MiB in {r.buckets} buckets | "
                       f"{took:.3f}s (pause {r.pause_window:.3f}s) | verified {r.verified}")

@@ -449,6 +449,7 @@ class ReceiveSession:
             return self.apply(header, memoryview(body))
         reader = BodyReader(read_into, nbytes)
         try:
+            check_signature(self.key, self.version, header)
             payload = Payload.from_header(header, torch.empty(0, dtype=torch.uint8))
             if nbytes != payload_nbytes(header):
                 raise PayloadError(f"bucket {payload.index}: {nbytes} body bytes announced, "

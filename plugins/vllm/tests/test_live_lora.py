@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from weightsync.errors import SyncError
+from safetensors.torch import load_file
+from weightsync import WeightSync
+from weightsync.config import EngineSpec
+from weightsync.errors import EngineError, SyncError
+from weightsync_vllm.adapter import VllmAdapter, VllmOptions
 from weightsync_vllm.lora import LoraPublisher
 from weightsync_vllm.testing import PROMPT, VllmServer, build_model_dir, vllm_available
 
@@ -92,3 +96,20 @@ def test_engine_that_cannot_load_is_reported(server: tuple[Path, VllmServer], tm
     bad = LoraPublisher([{"url": srv.url, "name": "locked", "api_key": "wrong"}], root=tmp_path, name="p2")
     with pytest.raises(SyncError, match="locked: engine locked: POST .*/v1/load_lora_adapter -> HTTP 401"):
         bad.push(policy(model_dir), version=1)
+
+
+def test_a_server_without_the_backend_names_the_flag(server: tuple[Path, VllmServer]) -> None:
+    """This server runs without --weight-transfer-config (it only serves LoRA adapters): a push
+    fails with an error that names the flag, and the server keeps serving its weights."""
+    model_dir, srv = server
+    spec = EngineSpec(**srv.spec())
+    adapter = VllmAdapter(VllmOptions(**spec.options), spec)
+    before = srv.complete(PROMPT, N)["output_ids"]
+    with pytest.raises(EngineError, match="--weight-transfer-config"):
+        adapter.begin(1, {"transport": {"kind": "http"}, "encoding": {"kind": "raw"}})
+    weights = load_file(str(model_dir / "model.safetensors"))
+    cfg = {"adapter": "vllm", "engines": [srv.spec()], "transport": "http", "sync": {"progress": "off"}}
+    with WeightSync.from_config(cfg) as sync, pytest.raises(SyncError) as e:
+        sync.push(weights, version=1)
+    assert "--weight-transfer-config" in str(e.value)
+    assert adapter.health().version == 0 and srv.complete(PROMPT, N)["output_ids"] == before

@@ -38,9 +38,12 @@ def _push(live: Live, model: Any, version: int, transport: str = "http", **cfg: 
     return report
 
 
-def test_three_versions_then_restore(live: Live, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["live", "live_qwen2"])
+def test_three_versions_then_restore(arch: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """Three trained versions over three transports; each verified by digests computed in the
-    worker, each changes greedy output; the original weights restore the original output."""
+    worker, each changes greedy output; the original weights restore the original output.
+    Llama and Qwen2 (its q/k/v biases)."""
+    live: Live = request.getfixturevalue(arch)
     model = copy.deepcopy(live.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1)
