@@ -12,7 +12,7 @@ import pytest
 
 from weightsync import WeightSync
 from weightsync.plugins import load_components
-from weightsync.testing.engines import EngineProcess
+from weightsync.testing.engines import EngineProcess, start_all
 
 pytest.importorskip("weightsync_disk_delta")
 from weightsync_disk_delta.testing import Trainer, bit_equal, weights_only  # noqa: E402
@@ -25,8 +25,8 @@ if "delta" not in load_components().encodings:
 def test_a_lagging_engine_gets_whole_tensors_and_ends_bit_exact(tmp_path: Path, transport: str) -> None:
     tr = Trainer(tmp_path / "model")
     served = weights_only(tmp_path / "model", tmp_path / "served")
-    a = EngineProcess(served, name="a", log=tmp_path / "a.log").start()
-    b = EngineProcess(served, name="b", log=tmp_path / "b.log").start()
+    a, b = start_all([EngineProcess(served, name="a", log=tmp_path / "a.log"),
+                      EngineProcess(served, name="b", log=tmp_path / "b.log")])
     cfg = {"encoding": {"kind": "delta", "options": {"base_checkpoint": str(tmp_path / "model")}},
            "transport": {"kind": transport, "options": {"device": "cpu"} if transport == "shm" else {}},
            "engines": [a.spec(), {**b.spec(), "options": {"timeout": 2.0}}],

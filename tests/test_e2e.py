@@ -9,6 +9,7 @@ import torch
 from weightsync import SyncError, WeightSync
 from weightsync.plugins import load_components
 from weightsync.testing import EngineProcess
+from weightsync.testing.engines import start_all
 from weightsync.testing.models import build_tiny_model, greedy
 
 INSTALLED = load_components().transports
@@ -24,10 +25,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def engines(model_dir, tmp_path):
-    procs = [EngineProcess(model_dir, name=f"engine{i}", log=tmp_path / f"engine{i}.log")
-             for i in range(2)]
-    for p in procs:
-        p.start()
+    procs = start_all([EngineProcess(model_dir, name=f"engine{i}", log=tmp_path / f"engine{i}.log")
+                       for i in range(2)])
     yield procs
     for p in procs:
         p.stop()

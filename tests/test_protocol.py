@@ -22,6 +22,7 @@ import torch
 
 from weightsync import SyncError, WeightSync
 from weightsync.testing import EngineProcess
+from weightsync.testing.engines import start_all
 from weightsync.testing.models import build_tiny_model, greedy
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
@@ -246,7 +247,7 @@ def test_two_trainers_pushing_at_once_never_mix_their_weights(tmp_path: Path) ->
 def test_a_hung_engine_is_dropped_within_the_deadline(tmp_path: Path, transport: str, when: str) -> None:
     sd = sample_state_dict(scale=4)
     model = write_weights_only_model(tmp_path / "m", sd)
-    engines = [EngineProcess(model, name=f"e{i}", log=tmp_path / f"e{i}.log").start() for i in range(3)]
+    engines = start_all([EngineProcess(model, name=f"e{i}", log=tmp_path / f"e{i}.log") for i in range(3)])
     hung = engines[1]
     try:
         c = cfg(engines, transport, deadline=12.0, lease=2.0)

@@ -16,7 +16,7 @@ from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import ConfigError, SyncError
 from weightsync.pipeline import WeightSync
 from weightsync.testing.contracts import TransportContract
-from weightsync.testing.engines import EngineProcess, free_port
+from weightsync.testing.engines import EngineProcess, free_port, start_all
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.transports import pg as pgs
 from weightsync.transports.collective import CollectiveTransport, split_payload
@@ -86,8 +86,8 @@ def test_one_broadcast_per_bucket_and_group_rebuilt_when_engines_change(
         return real(pg, tensor, timeout)
 
     monkeypatch.setattr(pgs, "start_broadcast", counting)
-    a = EngineProcess(model_dir, log=tmp_path / "a.log").start()
-    b = EngineProcess(model_dir, log=tmp_path / "b.log").start()
+    a, b = start_all([EngineProcess(model_dir, log=tmp_path / "a.log"),
+                      EngineProcess(model_dir, log=tmp_path / "b.log")])
     try:
         with WeightSync.from_config(_config([a.spec(), b.spec()])) as sync:
             sd = perturb(sample_state_dict(), 1)
@@ -186,8 +186,8 @@ def test_mixed_layouts_refused() -> None:
 
 def test_engine_killed_mid_push_fails_only_itself(tmp_path: Path, model_dir: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    a = EngineProcess(model_dir, log=tmp_path / "a.log").start()
-    b = EngineProcess(model_dir, log=tmp_path / "b.log").start()
+    a, b = start_all([EngineProcess(model_dir, log=tmp_path / "a.log"),
+                      EngineProcess(model_dir, log=tmp_path / "b.log")])
     real = pgs.start_broadcast
     n = [0]
 
@@ -225,8 +225,8 @@ def test_engine_restarted_between_syncs_rejoins_without_waiting_for_timeout(
     """b restarts between two pushes under the same name: it is no longer in the group, its
     announce fails before it receives, the broadcast is abandoned at once, and the group is
     rebuilt (a 300 s timeout would show up as a hang)."""
-    a = EngineProcess(model_dir, log=tmp_path / "a.log").start()
-    b = EngineProcess(model_dir, log=tmp_path / "b.log").start()
+    a, b = start_all([EngineProcess(model_dir, log=tmp_path / "a.log"),
+                      EngineProcess(model_dir, log=tmp_path / "b.log")])
     try:
         with WeightSync.from_config(_config([a.spec(), b.spec()], timeout=300)) as sync:
             sd = perturb(sample_state_dict(), 1)

@@ -6,7 +6,7 @@ from pathlib import Path
 import requests
 
 from weightsync import WeightSync
-from weightsync.testing.engines import EngineProcess
+from weightsync.testing.engines import EngineProcess, start_all
 
 from weightsync_disk_delta.testing import Trainer, bit_equal, weights_only
 
@@ -21,8 +21,8 @@ def _config(engines: list[dict], model_dir: Path) -> dict:
 def test_delta_through_http_is_bit_exact_and_refuses_a_wrong_base(tmp_path: Path) -> None:
     tr = Trainer(tmp_path / "model")
     served = weights_only(tmp_path / "model", tmp_path / "served")   # fast start, same tensors
-    a = EngineProcess(served, log=tmp_path / "a.log").start()
-    b = EngineProcess(served, log=tmp_path / "b.log").start()
+    a, b = start_all([EngineProcess(served, log=tmp_path / "a.log"),
+                      EngineProcess(served, log=tmp_path / "b.log")])
     late = EngineProcess(served, log=tmp_path / "late.log")
     try:
         with WeightSync.from_config(_config([a.spec(), b.spec()], tmp_path / "model")) as sync:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .engines import EngineProcess, free_port
+from .engines import EngineProcess, free_port, start_all
 from .sample import sample_state_dict, write_weights_only_model
 
 if TYPE_CHECKING:
@@ -39,5 +39,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["AdapterContract", "EncodingContract", "EngineProcess", "ExporterContract",
-           "FleetContract", "TransportContract", "free_port", "sample_state_dict",
+           "FleetContract", "TransportContract", "free_port", "sample_state_dict", "start_all",
            "write_weights_only_model"]

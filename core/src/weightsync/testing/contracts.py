@@ -18,7 +18,7 @@ from ..config import EngineSpec
 from ..errors import PayloadError, SyncError
 from ..interfaces import Adapter, Encoding, Exporter, Transport
 from ..pipeline import WeightSync
-from .engines import EngineProcess, free_port
+from .engines import EngineProcess, free_port, start_all
 from .sample import perturb, sample_state_dict, write_weights_only_model
 
 
@@ -148,8 +148,7 @@ class TransportContract(_Contract, abc.ABC):
         model = write_weights_only_model(tmp_path / "model", sample_state_dict())
         procs = [EngineProcess(model, log=tmp_path / f"engine{i}.log") for i in range(self.engines_count)]
         try:
-            for p in procs:
-                p.start()
+            start_all(procs)
             yield procs
         finally:
             for p in procs:

@@ -59,6 +59,10 @@ class EngineProcess:
         return d
 
     def start(self, timeout: float = 60.0) -> "EngineProcess":
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> "EngineProcess":
+        """Start the process without waiting for it (`start_all` starts several at once)."""
         cmd = [sys.executable, "-m", "weightsync", "serve", "--model", self.model_dir,
                "--port", str(self.port), "--name", self.name, "--device", self.device]
         for root in self.load_roots:
@@ -72,6 +76,11 @@ class EngineProcess:
             out = self._log_fh
         env = {**os.environ, **(self.env or {})}
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> "EngineProcess":
+        """Until the launched engine answers /health (its start failing or timing out stops it)."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -126,3 +135,19 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_all(engines: list[EngineProcess], timeout: float = 60.0) -> list[EngineProcess]:
+    """Start engines side by side (each start is mostly imports: on a machine with more than one
+    core, N engines take about the time of one); if one fails, all are stopped."""
+    try:
+        for e in engines:
+            e.launch()
+        for e in engines:
+            e.wait_ready(timeout)
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines
+
