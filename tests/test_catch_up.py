@@ -18,7 +18,7 @@ pytest.importorskip("weightsync_disk_delta")
 from weightsync_disk_delta.testing import Trainer, bit_equal, weights_only  # noqa: E402
 
 if "delta" not in load_components().encodings:
-    pytest.skip("encoding 'delta' is not installed", allow_module_level=True)
+    pytest.skip(reason="encoding 'delta' is not installed", allow_module_level=True)
 
 
 @pytest.mark.parametrize("transport", ["http", "shm"])

@@ -53,7 +53,7 @@ def vllm_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     from weightsync_vllm.testing import VllmServer, vllm_available
     ok, why = vllm_available()
     if not ok:
-        pytest.skip(why)
+        pytest.skip(reason=why)
     server = VllmServer(model_dir, log=tmp_path_factory.mktemp("vllm") / "server.log", name="vllm",
                         api_key="vllm-key")
     server.start()
@@ -73,7 +73,7 @@ def sidecar(registry: str, server: Any, log: Path) -> subprocess.Popen:
 def test_an_elastic_fleet_stays_on_the_trainers_weights(model_dir: Path, vllm_server: Any,
                                                         tmp_path: Path, encoding: str) -> None:
     if encoding == "delta" and "delta" not in COMPONENTS.encodings:
-        pytest.skip("encoding 'delta' is not installed")
+        pytest.skip(reason="encoding 'delta' is not installed")
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     from weightsync_vllm.adapter import VllmAdapter, VllmOptions

@@ -89,7 +89,7 @@ def test_cuda_bucket_hashes_on_device_equal_to_host_without_copying_it() -> None
 
 def test_triton_and_torch_sums_agree_on_cuda() -> None:
     if _triton() is None:
-        pytest.skip("Triton is not installed")
+        pytest.skip(reason="Triton is not installed")
     t = torch.randint(-2**31, 2**31 - 1, (5 * 2**20 + 3,), dtype=torch.int32, device="cuda")
     a = chunk_sums(t, use_triton=True)
     b = chunk_sums(t, use_triton=False)

@@ -61,20 +61,26 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | N
     its own (shared-memory, pinned) buffer so the bytes are written exactly once, and `cast`
     converts floating tensors on the way in (no intermediate copy)."""
     head, placed = safetensors_layout(named, metadata, cast)
-    data = sum(t.numel() * _itemsize(dt) for _, t, _, dt in placed)
-    total = len(head) + data
-    if out is None:
-        out = torch.empty(total, dtype=torch.uint8)
-    elif out.numel() < total:
-        raise ValueError(f"buffer of {out.numel()} bytes is smaller than the payload ({total})")
-    out = out[:total]
-    out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    out = _with_head(out, head, placed)
     base = len(head)
     for _, t, off, dt in placed:
         n = t.numel() * _itemsize(dt)
         if n:
             dst = out[base + off: base + off + n].view(dt).view(t.shape)
             dst.copy_(t.detach())
+    return out
+
+
+def _with_head(out: torch.Tensor | None, head: bytes,
+               placed: list[tuple[str, torch.Tensor, int, torch.dtype]]) -> torch.Tensor:
+    """The payload's buffer (`out`, or a new one) cut to size, with the safetensors header in."""
+    total = len(head) + sum(t.numel() * _itemsize(dt) for _, t, _, dt in placed)
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8)
+    elif out.numel() < total:
+        raise ValueError(f"buffer of {out.numel()} bytes is smaller than the payload ({total})")
+    out = out[:total]
+    out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     return out
 
 
@@ -91,13 +97,7 @@ def pack_digest(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | N
     from .bucket import tensor_header
     from .hashing import copy_digest_many
     head, placed = layout if layout is not None else safetensors_layout(named, metadata)
-    total = len(head) + sum(t.numel() * _itemsize(dt) for _, t, _, dt in placed)
-    if out is None:
-        out = torch.empty(total, dtype=torch.uint8)
-    elif out.numel() < total:
-        raise ValueError(f"buffer of {out.numel()} bytes is smaller than the payload ({total})")
-    out = out[:total]
-    out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    out = _with_head(out, head, placed)
     base = len(head)
     jobs = []
     for name, t, off, dt in placed:
