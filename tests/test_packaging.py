@@ -176,7 +176,7 @@ def _repo_text_files() -> list[Path]:
 
 # paths of the developers' own notes, which users never have (spelled in pieces so that this
 # file is not itself a pointer at them)
-_NOTES = "|".join(["shared/reference", r"\.\./" + "shared", r"engine-protocols\.md", r"vllm-on-cpu\.md",
+_NOTES = "|".join(["shared" + "/reference", r"\.\./" + "shared", r"engine-protocols\.md", r"vllm-on-cpu\.md",
                    r"plugin-conventions\.md", r"DESIGN\.md", "release note"])
 OUTSIDE = re.compile(_NOTES, re.I)
 
