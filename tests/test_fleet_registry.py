@@ -220,6 +220,8 @@ def test_a_peer_serving_corrupted_bytes_is_caught_and_nothing_bad_is_committed(t
             assert r.engines["j2"].ok and r.engines["j2"].version == 2
             got = j2.weights()
             assert all(torch.equal(got[n], t) for n, t in v2.items())
+            wait_for(lambda: (x := member(reg.fleet(), "j2")) and x["state"] == "live"
+                     and x["version"] == 2 and not x["error"], what="j2 live again after the push")
             keep.stop()
         finally:
             if proxy is not None:

@@ -15,7 +15,7 @@ from weightsync.bench_model import model_bytes, plan_shapes, small_tensors_model
 ROWS = ["memcpy floor", "shm floor (3 copies)", "memcpy (1 core)", "xxh3 + copy, one pass (1 core)",
         "xxh3 pass over memory (1 core)", "http floor (raw TCP)", "safetensors save+load (naive)",
         "gloo broadcast, 1 tensor (raw)", "gloo broadcast, 1 tensor (raw, 1 receiver)",
-        "gloo broadcast per tensor (naive)", "gloo broadcast per tensor (small tensors)",
+        "gloo broadcast, 1 receiver, verified (bare)", "gloo broadcast per tensor (naive)", "gloo broadcast per tensor (small tensors)",
         "gloo broadcast per tensor (MoE)", "collective", "collective (1 receiver)",
         "collective (small tensors)", "http", "shm", "delta 1% over http", "delta 1% over shm",
         "collective (verify off)", "http (verify off)", "shm (verify off)", "collective (MoE)",
@@ -87,6 +87,11 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert targets[k]["met"] in (True, False) and targets[k]["target"] is not None, k
     assert set(targets["verification_cost"]["value"]) == {"collective", "http", "shm"}
     assert targets["collective_vs_per_tensor_llm"]["floor"] > 0
+    one = targets["collective_1rx_vs_raw_gloo_1rx"]      # measured against the bare verified floor
+    bare = rows["gloo broadcast, 1 receiver, verified (bare)"]
+    raw_1 = rows["gloo broadcast, 1 tensor (raw, 1 receiver)"]
+    assert bare["floor"] == raw_1["name"] and bare["receivers"] == 1
+    assert one["verified_floor"] == round(raw_1["seconds"] / bare["seconds"], 3)
     assert len(result["verdicts"]) >= len(TARGETS)
     assert all(v.startswith(("MET", "MISSED")) for v in result["verdicts"])
     assert result["copy_digest_path"] in ("numba", "ctypes", "two-pass")

@@ -116,6 +116,55 @@ def test_one_broadcast_per_bucket_and_group_rebuilt_when_engines_change(
         b.stop()
 
 
+def test_buckets_are_announced_ahead_and_an_aborted_round_leaves_no_stale_announce(
+        tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bucket is announced when it is packed (while the one before it is broadcast); a
+    round that fails after announcing buckets it never broadcasts leaves the engines waiting on
+    a group that the next round replaces, and that round lands bit-exact."""
+    taken: list[bool] = []
+    real_take = CollectiveTransport._take_ahead
+
+    def take(self, payload, engines):
+        got = real_take(self, payload, engines)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(CollectiveTransport, "_take_ahead", take)
+    a, b = start_all([EngineProcess(model_dir, log=tmp_path / "a.log"),
+                      EngineProcess(model_dir, log=tmp_path / "b.log")])
+    try:
+        with WeightSync.from_config(_config([a.spec(), b.spec()])) as sync:
+            v1 = perturb(sample_state_dict(), 1)
+            r = sync.push(v1, version=1)
+            assert r.ok and r.verified, r.summary()
+            assert taken == [True] * r.buckets and r.buckets > 3
+            first = sync.transport.group.name
+            from weightsync.adapters.reference import ReferenceAdapter
+            seen: list[int] = []
+
+            def observe(self, payload):        # the 2nd bucket is packed and announced, never sent
+                seen.append(payload.index)
+                if len(seen) == 3:
+                    raise RuntimeError("trainer broke mid-round")
+            monkeypatch.setattr(ReferenceAdapter, "observe", observe)
+            try:
+                assert not sync.push(perturb(v1, 2), version=2).ok
+            except RuntimeError as e:
+                assert "trainer broke mid-round" in str(e)
+            monkeypatch.undo()
+            assert [e.health()["version"] for e in (a, b)] == [1, 1]     # nothing half-applied
+            v3 = perturb(v1, 3)
+            r = sync.push(v3, version=3)
+            assert r.ok and r.verified, r.summary()
+            assert sync.transport.group.name != first       # the poisoned group was replaced
+        for e in (a, b):
+            assert e.health()["version"] == 3
+            got = e.weights()
+            assert all(torch.equal(got[n], t) for n, t in v3.items())
+    finally:
+        a.stop()
+        b.stop()
+
+
 _SILENT = textwrap.dedent("""
     # A real engine process that accepts every call but never joins the group it is asked to.
     import json, sys, time

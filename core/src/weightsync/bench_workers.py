@@ -1,7 +1,8 @@
 """Receiver processes for the bench's naive baselines and floors: each holds preallocated weights
 (as an engine would) and, on command from the trainer, loads a safetensors checkpoint into them,
-receives torch.distributed gloo broadcasts (one per tensor, or one single tensor) or reads a raw
-TCP stream of the model's bytes into warm memory.
+receives torch.distributed gloo broadcasts (one per tensor, one single tensor, or bucket-sized
+chunks hashed as they land: the bare verified floor) or reads a raw TCP stream of the model's
+bytes into warm memory.
 
 The commands travel over a multiprocessing Pipe between the bench and its own child processes
 (same host, same user): plain tuples of strings, ints and lists.
@@ -63,6 +64,9 @@ def _worker(conn: Any, rank: int) -> None:
                     buf = flat[nbytes] = torch.zeros(nbytes, dtype=torch.uint8)
                 pgs.broadcast(groups[key], buf, 600)
                 out = None
+            elif cmd == "verified":    # arg: (group key, nbytes, chunk): the bare verified floor
+                key, nbytes, chunk = arg
+                out = _receive_verified(groups[key], nbytes, chunk, flat)
             elif cmd == "tcp_connect":  # arg: (address, port, nbytes): the raw TCP floor
                 addr, port, nbytes = arg
                 sock = socket.create_connection((addr, port))
@@ -92,6 +96,30 @@ def _worker(conn: Any, rank: int) -> None:
             conn.send(("ok", out))
         except Exception as e:  # noqa: BLE001 - handed to the bench, which raises it
             conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _receive_verified(pg: Any, nbytes: int, chunk: int, cache: dict[int, Any]) -> list[str]:
+    """The least work a verified receive can do: `nbytes` as broadcasts of `chunk` bytes into
+    three warm buffers used in turn, each hashed in place on a second thread while the next one
+    arrives (no staging copy, no framework); the digests, for the bench to compare."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .bucket import tensor_digest
+    from .transports import pg as pgs
+    bufs = cache.get(-chunk)
+    if bufs is None:
+        bufs = cache[-chunk] = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(3)]
+    pending: list[Any] = []
+    digests: list[str] = []
+    with ThreadPoolExecutor(1) as hasher:
+        for i, at in enumerate(range(0, nbytes, chunk)):
+            if len(pending) == 2:
+                digests.append(pending.pop(0).result())
+            buf = bufs[i % 3][: min(chunk, nbytes - at)]
+            pgs.broadcast(pg, buf, 600)
+            pending.append(hasher.submit(tensor_digest, f"c{i}", buf))
+        digests += [f.result() for f in pending]
+    return digests
 
 
 class Workers:

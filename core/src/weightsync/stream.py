@@ -74,6 +74,7 @@ class Stream:
         stop = threading.Event()
         bar = Progress(self.progress, model_bytes(model), report.version)
         alloc = getattr(self.transport, "alloc", None)
+        ahead = getattr(self.transport, "announce_ahead", None)     # collective: announce on packing
         changed = elements = 0
         sent = 0
 
@@ -91,6 +92,8 @@ class Stream:
                         payload = self.encoding.encode(bucket, alloc)
                         if self.key is not None:
                             payload.sig = sign(self.key, report.version, payload.header())
+                    if ahead is not None and mode == "engines" and active:
+                        ahead(payload, active)      # engines post their receive meanwhile
                     q.put(payload)
                     del bucket, payload
             except BaseException as e:  # noqa: BLE001 - handed to the sending thread

@@ -108,8 +108,16 @@ class Roster:
                 m.state, m.error = "live", None
             if version is not None:
                 m.version = version
+                self._caught_up(m)
             self.changed.notify_all()
             return m
+
+    def _caught_up(self, m: MemberState) -> None:
+        """A `behind` member that holds the fleet's version (a push reached it, or a pull that
+        raced one) is live again; otherwise nothing would ever take it out of `behind`."""
+        if m.state == "behind" and m.version is not None and self.current is not None \
+                and m.version >= self.current:
+            m.state, m.error = "live", None
 
     def deregister(self, name: str) -> None:
         with self.lock:
@@ -133,6 +141,7 @@ class Roster:
             m = self.members.get(name)
             if m is not None:
                 m.state, m.error = state, error
+                self._caught_up(m)
                 self.changed.notify_all()
 
     def synced(self, version: int, versions: dict[str, int | None]) -> None:
@@ -143,6 +152,7 @@ class Roster:
                 m = self.members.get(name)
                 if m is not None and v is not None:
                     m.version = v
+                    self._caught_up(m)
             self.changed.notify_all()
 
     def view(self) -> dict[str, Any]:

@@ -64,16 +64,25 @@ class _Order:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.next = 0
+        self.dead = False          # the group was left: announces still waiting give up
 
     def wait_turn(self, seq: int | None, timeout: float) -> None:
         if seq is None:
             return
         with self.cond:
-            if not self.cond.wait_for(lambda: self.next >= seq, timeout):
+            if not self.cond.wait_for(lambda: self.next >= seq or self.dead, timeout):
                 raise TransportError(f"broadcast {seq} was announced, but broadcast {self.next} "
                                      f"never arrived within {timeout}s")
+            if self.dead:
+                raise TransportError(f"broadcast {seq} was announced on a group this engine has "
+                                     f"left (the trainer rebuilt it); the trainer announces it again")
             if self.next > seq:
                 raise PayloadError(f"broadcast {seq} was announced twice")
+
+    def end(self) -> None:
+        with self.cond:
+            self.dead = True
+            self.cond.notify_all()
 
     def done(self, seq: int | None) -> None:
         if seq is None:
@@ -87,7 +96,10 @@ def _forget_groups() -> None:
     """Leave every group this process is in (a process follows one trainer at a time)."""
     with _GROUPS_LOCK:
         old = [g for g, _ in _GROUPS.values()]
+        orders = [o for _, o in _GROUPS.values()]
         _GROUPS.clear()
+    for o in orders:
+        o.end()
     for g in old:
         pgs.forget(g.pg)
         # a group whose peer died may block in shutdown: never on the caller's thread
@@ -108,7 +120,8 @@ class _RecvPool:
                     if b.numel() >= nbytes and b.device == torch.device(device)]
             if fits:
                 return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
-            if len(self.free) >= 2:          # keep at most two idle buffers
+            if len(self.free) >= 3:          # keep at most three idle buffers (one bucket
+                                             # staging, one arriving, one announced ahead)
                 self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
         return torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
 
@@ -168,10 +181,10 @@ class CollectiveReceiver(TransportReceiver):
         nbytes = int(tr["nbytes"])
         seq = int(tr["seq"]) if "seq" in tr else None
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
+        order.wait_turn(seq, self.options.timeout)      # an announce made ahead waits here
         whole = _POOL.take(nbytes, device)
         buf = whole[:nbytes]
         try:
-            order.wait_turn(seq, self.options.timeout)
             try:
                 pgs.broadcast(group.pg, buf, self.options.timeout)
             finally:
@@ -212,6 +225,18 @@ class _Piece:
 
     tensor: torch.Tensor
     fields: dict[str, Any]
+
+
+@dataclass
+class _Ahead:
+    """The announces of a payload made while the previous bucket was still being broadcast."""
+
+    group: str
+    seq: int
+    engines: tuple[str, ...]
+    header: dict[str, Any]
+    calls: dict[str, "_Call"]
+    wake: threading.Event
 
 
 @dataclass
@@ -298,6 +323,11 @@ class CollectiveTransport(Transport):
         self._ring = [_Buffer() for _ in range(self.options.buffers)]
         self._turn = 0
         self._ring_lock = threading.Lock()
+        # announces made ahead (`announce_ahead`): by payload index, with the seq they carry
+        self._ahead: dict[int, _Ahead] = {}
+        self._ahead_seq = 0          # the seq the next announce made ahead carries
+        self._ahead_next = -1        # the payload index that may be announced ahead next
+        self._ahead_lock = threading.Lock()
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """The next send buffer, once its previous broadcast is done; grown when too small.
@@ -421,10 +451,73 @@ class CollectiveTransport(Transport):
             self._turn = 0
             for b in self._ring:
                 b.free.set()
+        self._forget_ahead()
         self._layout(engines)
         if not engines:
             return {}
-        return self._ensure(engines)
+        fails = self._ensure(engines)
+        with self._ahead_lock:
+            self._ahead_seq, self._ahead_next = self._seq, 0
+        return fails
+
+    # -- announcing ahead ---------------------------------------------------------------------
+    def announce_ahead(self, payload: Payload, engines: Sequence[Adapter]) -> None:
+        """Announce `payload` as soon as it is packed, while the bucket before it is still being
+        broadcast, so every engine has posted its receive when rank 0 starts the next broadcast
+        (no idle link between buckets: an announce costs an HTTP round trip and a gloo
+        handshake). Only for engines that serve announces in any order and wait for their turn
+        (`ordered_announces`), the whole body as one broadcast, payloads announced in bucket
+        order on the group `open` built for exactly these engines; otherwise `send` announces
+        as before. An announce that is never broadcast (an aborted round, a rebuilt group)
+        leaves its group poisoned: the next round builds a new one, which frees the engines
+        still waiting on the old one."""
+        engines = list(engines)
+        with self._ahead_lock:
+            try:
+                fits = (payload.index == self._ahead_next and self.group is not None and bool(engines)
+                        and all(a.ordered_announces for a in engines)
+                        and self.key == tuple((a.engine_name, a.group_size()) for a in engines)
+                        and self._layout(engines) == "safetensors")
+            except Exception:  # noqa: BLE001 - send announces it then, and reports what is wrong
+                fits = False
+            if not fits:
+                self._ahead_next = -1           # out of order once: not again this round
+                return
+            seq = self._ahead_seq
+            self._ahead_seq += 1
+            self._ahead_next += 1
+            body = payload.body
+            header = payload.header(group_name=self.group.name, layout="safetensors", seq=seq,
+                                    nbytes=body.numel() * body.element_size(), dtype="uint8",
+                                    numel=body.numel())
+            wake = threading.Event()
+            calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
+            self._ahead[payload.index] = _Ahead(self.group.name, seq, tuple(a.engine_name for a in engines),
+                                                header, calls, wake)
+
+    def _take_ahead(self, payload: Payload, engines: Sequence[Adapter]) -> _Ahead | None:
+        """The announces made ahead for `payload`, if they still fit the group and this seq;
+        stale ones poison the group (their engines wait for a broadcast that never comes)."""
+        with self._ahead_lock:
+            ahead = self._ahead.pop(payload.index, None)
+            if ahead is None:
+                return None
+            if (self.group is not None and ahead.group == self.group.name and ahead.seq == self._seq
+                    and ahead.engines == tuple(a.engine_name for a in engines)):
+                return ahead
+            self._ahead_next = -1
+            if self.group is not None and ahead.group == self.group.name:
+                self.key = None                  # engines of this group wait for that seq
+            return None
+
+    def _forget_ahead(self) -> None:
+        """Announces made ahead that will never be broadcast: their group must go."""
+        with self._ahead_lock:
+            stale = [a for a in self._ahead.values() if self.group is not None and a.group == self.group.name]
+            self._ahead.clear()
+            self._ahead_next = -1
+            if stale:
+                self.key = None
 
     # -- sending ----------------------------------------------------------------------------
     def _device(self, t: torch.Tensor) -> torch.Tensor:
@@ -465,6 +558,10 @@ class CollectiveTransport(Transport):
         return dead
 
     def discard(self, payload: Payload) -> None:
+        with self._ahead_lock:
+            ahead = self._ahead.pop(payload.index, None)
+            if ahead is not None and self.group is not None and ahead.group == self.group.name:
+                self.key = None          # its engines wait for a broadcast that never comes
         self._release(payload.body)
 
     def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
@@ -483,6 +580,7 @@ class CollectiveTransport(Transport):
                   else split_payload(payload.body, layout))
         k = 0
         attempts = 0
+        ahead = self._take_ahead(payload, engines)
         while k < len(pieces) and engines:
             fails = self._ensure(engines)
             failures.update(fails)
@@ -497,18 +595,26 @@ class CollectiveTransport(Transport):
             keep = 1 if all(a.ordered_announces for a in engines) else 0
             for name, err in self._drain(keep).items():
                 failures.setdefault(name, err)
-            fields = {"group_name": self.group.name, "layout": layout, "seq": self._seq,
-                      "nbytes": tensor.numel() * tensor.element_size(), "dtype": dtype,
-                      "numel": tensor.numel()}
-            if specs is not None:
-                fields["tensors"] = specs
-            header = payload.header(**fields)
-            wake = threading.Event()
-            calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
+            if ahead is not None and ahead.group == self.group.name:
+                calls, wake = ahead.calls, ahead.wake
+            else:
+                with self._ahead_lock:       # announced here: later payloads are too
+                    self._ahead_next = -1
+                fields = {"group_name": self.group.name, "layout": layout, "seq": self._seq,
+                          "nbytes": tensor.numel() * tensor.element_size(), "dtype": dtype,
+                          "numel": tensor.numel()}
+                if specs is not None:
+                    fields["tensors"] = specs
+                header = payload.header(**fields)
+                wake = threading.Event()
+                calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
             try:
                 self._broadcast(self._device(tensor), calls, payload.body, wake)
             except Exception as e:  # noqa: BLE001 - find who broke it, rebuild, send again
                 attempts += 1
+                ahead = None
+                with self._ahead_lock:
+                    self._ahead_next = -1
                 failures.update(self._broken(engines, calls, attempts, payload.index, e))
                 engines = [a for a in engines if a.engine_name not in failures]
                 self.key = None              # the group has a broken rank: rebuild it
@@ -517,6 +623,7 @@ class CollectiveTransport(Transport):
                 continue
             self._seq += 1
             self.pending.append((calls, payload.index))
+            ahead = None
             k += 1
         return failures
 
@@ -576,8 +683,10 @@ class CollectiveTransport(Transport):
         return fails
 
     def finish(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
+        self._forget_ahead()
         return self._drain()
 
     def close(self) -> None:
+        self._forget_ahead()
         self._drain()
         self._destroy()
