@@ -76,6 +76,14 @@ def _config(engines: list[dict], **opts) -> dict:
             "sync": {"failure_policy": "continue"}}
 
 
+def _assert_holds(engines: tuple[EngineProcess, ...], version: int, sd: dict[str, torch.Tensor]) -> None:
+    """Every engine serves `version` and holds exactly `sd`."""
+    for e in engines:
+        assert e.health()["version"] == version
+        got = e.weights()
+        assert all(torch.equal(got[n], t) for n, t in sd.items()), e.name
+
+
 def test_one_broadcast_per_bucket_and_group_rebuilt_when_engines_change(
         tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
@@ -107,10 +115,7 @@ def test_one_broadcast_per_bucket_and_group_rebuilt_when_engines_change(
             r = sync.push(sd, version=4)
             assert r.ok and r.verified, r.summary()
             assert sync.transport.group.name != first                # rebuilt for the new set
-        for e in (a, b):
-            assert e.health()["version"] == 4
-            got = e.weights()
-            assert all(torch.equal(got[n], t) for n, t in sd.items())
+        _assert_holds((a, b), 4, sd)
     finally:
         a.stop()
         b.stop()
@@ -156,10 +161,7 @@ def test_buckets_are_announced_ahead_and_an_aborted_round_leaves_no_stale_announ
             r = sync.push(v3, version=3)
             assert r.ok and r.verified, r.summary()
             assert sync.transport.group.name != first       # the poisoned group was replaced
-        for e in (a, b):
-            assert e.health()["version"] == 3
-            got = e.weights()
-            assert all(torch.equal(got[n], t) for n, t in v3.items())
+        _assert_holds((a, b), 3, v3)
     finally:
         a.stop()
         b.stop()

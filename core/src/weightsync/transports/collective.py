@@ -472,9 +472,10 @@ class CollectiveTransport(Transport):
         leaves its group poisoned: the next round builds a new one, which frees the engines
         still waiting on the old one."""
         engines = list(engines)
+        group = self.group          # the sending thread may be replacing it: one look
         with self._ahead_lock:
             try:
-                fits = (payload.index == self._ahead_next and self.group is not None and bool(engines)
+                fits = (payload.index == self._ahead_next and group is not None and bool(engines)
                         and all(a.ordered_announces for a in engines)
                         and self.key == tuple((a.engine_name, a.group_size()) for a in engines)
                         and self._layout(engines) == "safetensors")
@@ -487,12 +488,12 @@ class CollectiveTransport(Transport):
             self._ahead_seq += 1
             self._ahead_next += 1
             body = payload.body
-            header = payload.header(group_name=self.group.name, layout="safetensors", seq=seq,
+            header = payload.header(group_name=group.name, layout="safetensors", seq=seq,
                                     nbytes=body.numel() * body.element_size(), dtype="uint8",
                                     numel=body.numel())
             wake = threading.Event()
             calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
-            self._ahead[payload.index] = _Ahead(self.group.name, seq, tuple(a.engine_name for a in engines),
+            self._ahead[payload.index] = _Ahead(group.name, seq, tuple(a.engine_name for a in engines),
                                                 header, calls, wake)
 
     def _take_ahead(self, payload: Payload, engines: Sequence[Adapter]) -> _Ahead | None:

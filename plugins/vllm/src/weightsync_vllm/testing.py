@@ -98,6 +98,7 @@ class VllmServer:
         self.token = self.env.setdefault("WEIGHTSYNC_VLLM_TOKEN", secrets.token_hex(16))
         self.name = name or f"vllm-{self.port}"
         self.proc: subprocess.Popen | None = None
+        self._stopped = False      # stop() ran: a second one must not signal a reused pid
         self._fh: IO | None = None
 
     @property
@@ -131,6 +132,7 @@ class VllmServer:
             out = self._fh
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        self._stopped = False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -148,12 +150,14 @@ class VllmServer:
                            + (f"; see {self.log}" if self.log else ""))
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after 30 s: no orphaned workers."""
+        """SIGTERM to the server's process group, SIGKILL after 30 s: no orphaned workers. The
+        group is the server's own session (its pid), signalled only while the server runs or
+        some process is still in it: a reaped pid may already belong to somebody else."""
         p = self.proc
-        if p is not None:
-            try:
-                pgid = os.getpgid(p.pid)
-            except ProcessLookupError:
+        if p is not None and not self._stopped:
+            self._stopped = True
+            pgid: int | None = p.pid
+            if p.poll() is not None and not _group_alive(p.pid):
                 pgid = None
             if pgid is not None:
                 _signal_group(pgid, signal.SIGTERM)
@@ -195,6 +199,21 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process is still in process group `pgid` (Linux: /proc/<pid>/stat). A group
+    id is not reused while the group has members, so signalling it then reaches only them."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if len(fields) > 3 and int(fields[2]) == pgid:
+                return True
+    return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:
