@@ -234,7 +234,6 @@ class _Ahead:
     group: str
     seq: int
     engines: tuple[str, ...]
-    header: dict[str, Any]
     calls: dict[str, "_Call"]
     wake: threading.Event
 
@@ -494,7 +493,7 @@ class CollectiveTransport(Transport):
             wake = threading.Event()
             calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
             self._ahead[payload.index] = _Ahead(group.name, seq, tuple(a.engine_name for a in engines),
-                                                header, calls, wake)
+                                                calls, wake)
 
     def _take_ahead(self, payload: Payload, engines: Sequence[Adapter]) -> _Ahead | None:
         """The announces made ahead for `payload`, if they still fit the group and this seq;
@@ -506,19 +505,24 @@ class CollectiveTransport(Transport):
             if (self.group is not None and ahead.group == self.group.name and ahead.seq == self._seq
                     and ahead.engines == tuple(a.engine_name for a in engines)):
                 return ahead
-            self._ahead_next = -1
-            if self.group is not None and ahead.group == self.group.name:
-                self.key = None                  # engines of this group wait for that seq
+            self._drop_ahead(ahead)
             return None
 
+    def _drop_ahead(self, ahead: _Ahead) -> None:
+        """(`_ahead_lock` held) An announce made ahead that will never be broadcast: no more
+        announcing ahead this round, and if it went to the current group, its engines wait for
+        that seq, so the group must be rebuilt."""
+        self._ahead_next = -1
+        if self.group is not None and ahead.group == self.group.name:
+            self.key = None
+
     def _forget_ahead(self) -> None:
-        """Announces made ahead that will never be broadcast: their group must go."""
+        """Announces made ahead that will never be broadcast."""
         with self._ahead_lock:
-            stale = [a for a in self._ahead.values() if self.group is not None and a.group == self.group.name]
+            for ahead in self._ahead.values():
+                self._drop_ahead(ahead)
             self._ahead.clear()
             self._ahead_next = -1
-            if stale:
-                self.key = None
 
     # -- sending ----------------------------------------------------------------------------
     def _device(self, t: torch.Tensor) -> torch.Tensor:
@@ -561,8 +565,8 @@ class CollectiveTransport(Transport):
     def discard(self, payload: Payload) -> None:
         with self._ahead_lock:
             ahead = self._ahead.pop(payload.index, None)
-            if ahead is not None and self.group is not None and ahead.group == self.group.name:
-                self.key = None          # its engines wait for a broadcast that never comes
+            if ahead is not None:
+                self._drop_ahead(ahead)
         self._release(payload.body)
 
     def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
