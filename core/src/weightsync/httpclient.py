@@ -57,11 +57,39 @@ def call(session: requests.Session, engine: str, method: str, url: str, *, timeo
     except requests.Timeout:
         raise EngineUnavailable(engine, f"{method} {url} got no answer within {timeout:g}s") from None
     except requests.ConnectionError as e:
-        raise EngineUnreachable(engine, f"{method} {url} failed: cannot connect ({type(e).__name__}); "
-                                        f"is the engine running at that address?") from None
+        raise EngineUnreachable(engine, f"{method} {url} failed: {_why(e)}; is the engine "
+                                        f"running at that address?") from None
     if resp.status_code not in ok:
+        if resp.status_code >= 500:
+            forget_connections(session)
         raise EngineError(engine, f"{method} {url} -> HTTP {resp.status_code}: {error_text(resp)}")
     return resp
+
+
+def forget_connections(session: requests.Session) -> None:
+    """Drop the session's idle keep-alive connections. An ASGI server (uvicorn, under vLLM and
+    SGLang) that answered with an unhandled exception closes the connection a moment after the
+    response; a request sent on it in that moment is reset. The next call opens a fresh one."""
+    for adapter in session.adapters.values():
+        adapter.close()
+
+
+def _why(e: requests.ConnectionError) -> str:
+    """Refused or reset: the OS's words from deep in the chain (requests wraps urllib3's error,
+    which wraps the socket's), not just the outer exception's class."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [e]
+    while todo:
+        x = todo.pop(0)
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno is not None and x.strerror:
+            lost = isinstance(x, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError))
+            return f"{'connection lost' if lost else 'cannot connect'} ({x.strerror})"
+        todo += [a for a in (*x.args, getattr(x, "reason", None), x.__cause__, x.__context__)
+                 if isinstance(a, BaseException)]
+    return f"cannot connect ({type(e).__name__})"
 
 
 def json_of(resp: requests.Response, engine: str) -> Any:
