@@ -9,68 +9,65 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 from weightsync.errors import EngineError, EngineUnreachable
 from weightsync.httpclient import call, session_for
 
 
-class ClosingAfterErrors:
+class ClosingAfterErrors(ThreadingHTTPServer):
     """A keep-alive HTTP/1.1 server that behaves like uvicorn after an unhandled exception: it
     answers 500 without `Connection: close`, then closes the socket a moment later, unread
     requests and all (the peer gets a reset)."""
 
+    daemon_threads = True
+
     def __init__(self, linger_s: float = 0.3) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
         self.linger_s = linger_s
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.connections = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.connections += 1
+        super().process_request(request, client_address)
 
-    def _serve(self, conn: socket.socket) -> None:
-        f = conn.makefile("rb")
-        try:
-            while True:
-                line = f.readline()
-                if not line:
-                    return
-                path = line.split()[1].decode()
-                length = 0
-                while (h := f.readline()) not in (b"\r\n", b""):
-                    if h.lower().startswith(b"content-length:"):
-                        length = int(h.split(b":")[1])
-                f.read(length)
-                ok = path == "/ok"
-                body = json.dumps({"ok": True} if ok else {"error": "boom"}).encode()
-                status = b"200 OK" if ok else b"500 Internal Server Error"
-                conn.sendall(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (status, len(body), body))
-                if not ok:
-                    time.sleep(self.linger_s)      # logging the traceback, then closing
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    return
-        finally:
-            f.close()
-            conn.close()
+    def shutdown_request(self, request: Any) -> None:
+        self.close_request(request)         # a plain close, as uvicorn's (no FIN first)
 
-    def close(self) -> None:
-        self.sock.close()
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: ClosingAfterErrors
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        ok = self.path == "/ok"
+        body = json.dumps({"ok": True} if ok else {"error": "boom"}).encode()
+        self.send_response(200 if ok else 500)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        if not ok:
+            time.sleep(self.server.linger_s)     # logging the traceback, then closing
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
 
 
 @pytest.fixture
 def server() -> Iterator[ClosingAfterErrors]:
     s = ClosingAfterErrors()
     yield s
-    s.close()
+    s.shutdown()
+    s.server_close()
 
 
 def test_the_call_after_an_error_answer_opens_a_fresh_connection(
