@@ -246,7 +246,8 @@ EDGES = textwrap.dedent("""
         out["disagree"] = "no error"
     except ValueError as e:
         out["disagree"] = str(e)
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
+    dist.barrier()          # both ranks done before either tears down the group (rank 0: its store)
     dist.destroy_process_group()
 """)
 
