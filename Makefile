@@ -59,12 +59,13 @@ test-e2e: venv
 # with torch and the dependencies already installed and no network: `make test-gpu GPU_PY=python3`
 # with the packages importable (e.g. wheels installed to a --target directory on PYTHONPATH).
 GPU_PY ?= $(BIN)/python
+GPU_NAME ?= h100
 test-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
 	$(GPU_PY) -m pytest -m gpu core/tests plugins tests $(PYTEST_ARGS)
 
 bench-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
 	$(GPU_PY) -m weightsync bench --device cuda --size 4GiB --receivers 2 --bucket 512MiB --repeat 3 \
-	    --json benchmarks/results/bench-gpu-h100-4GiB-2rx.json
+	    --json benchmarks/results/bench-gpu-$(GPU_NAME)-4GiB-2rx.json
 
 bench: venv
 	$(BIN)/weightsync bench --json benchmarks/results/bench.json --png benchmarks/results/bench.png

@@ -121,3 +121,22 @@ def test_verify_off_instrument_copies_without_hashing_and_restores() -> None:
         assert hashing.copy_digest(dst, src, b"h") == UNHASHED and torch.equal(dst, src)
         assert hashing.Digest(b"h").hexdigest() == UNHASHED
     assert hashing.copy_digest is real and hashing.Digest(b"").address is not None
+
+
+def test_gpu_targets_read_as_verdicts_and_table_lines() -> None:
+    """The GPU rows' targets carry a direction and a verdict like every other target (a GPU run
+    once crashed in `verdicts` on a target without one)."""
+    from weightsync.bench import Row, verdicts
+    from weightsync.bench_gpu import gpu_targets
+
+    def row(name: str, s: float, peak: int = 0) -> Row:
+        return Row(name, "transport", 1 << 30, 2, s, [s], peak)
+
+    rows = [row("cuda copy floor", 0.002), row("cuda ipc copy (raw, 1 receiver)", 0.004),
+            row("per-tensor CUDA IPC (naive, 1 receiver)", 0.05),
+            row("shm (CUDA IPC, verified)", 0.07, peak=3 << 29)]
+    targets = gpu_targets(rows, bucket_unit=1 << 29)
+    lines = verdicts(targets)
+    assert "MISSED cuda_ipc_vs_device_copy: 0.5 (target >= 0.8)" in lines
+    assert "MISSED cuda_sender_peak_extra_in_buckets: 3.0 (target <= 2.0)" in lines
+    assert targets["cuda_sender_peak_extra_in_buckets"]["met"] is False
