@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Mapping, Sequence
 
@@ -12,7 +13,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from .bucket import Bucket, TensorSpec
-from .errors import PayloadError
+from .errors import PayloadError, WeightSyncError
+from .rollout.types import Gate, Sample, SamplingParams, Unsupported
 
 if TYPE_CHECKING:
     from .config import EngineSpec
@@ -350,8 +352,58 @@ class Adapter(Bounded, Component):
         source), checks every digest and commits it; returns the version it holds."""
         raise NotImplementedError(f"adapter {self.name!r} cannot pull from peers")
 
+    # -- optional: rollouts, the probe, launching (each raises Unsupported where not declared) ---
+    sampling: ClassVar[frozenset[str]] = frozenset()
+    """The `SamplingParams` fields this engine honours in `generate`; empty: it cannot generate
+    through weightsync, and the rollout client refuses it before sending anything."""
+
+    def generate(self, prompt: list[int], params: "SamplingParams", gate: "Gate") -> list["Sample"]:
+        """`params.n` samples of `prompt`, each with the logprob of every sampled token and the
+        version(s) it was computed with (`Sample.version`, `Sample.version_end`). Raises
+        NotFitting (with the version held) when the engine holds no version `gate` admits, or
+        when its weights changed under a request it cannot report per token."""
+        raise Unsupported(f"adapter {self.name!r} cannot generate")
+
+    def weight_version(self) -> int | None:
+        """The version the engine serves now; None when it does not answer."""
+        try:
+            return self.health().version
+        except WeightSyncError:
+            return None
+
+    scores: ClassVar[bool] = False
+    """True when `score` works: the engine can score a given sequence (the probe after commit)."""
+
+    def score(self, ids: list[int]) -> tuple[list[float], int]:
+        """The logprob of each token of `ids` after the first, given the tokens before it, and
+        the version that computed them: what the probe compares with the trainer's own."""
+        raise Unsupported(f"adapter {self.name!r} cannot score a sequence")
+
+    @classmethod
+    def start_command(cls, model: str, host: str, port: int, name: str,
+                      options: dict[str, Any], env: dict[str, str]) -> list[str]:
+        """The argv that starts this engine on `model` listening on host:port (Ray's engine
+        actors). May add to `env` and `options` (a token the adapter must send). "{python}" in
+        the argv stands for the node's interpreter."""
+        raise Unsupported(f"adapter {cls.name!r} has no start command; give the launch a `command`")
+
+    @classmethod
+    def launch_local(cls, model_dir: Path, workdir: Path, name: str) -> "LocalEngine":
+        """Start one engine on this machine serving `model_dir` (a Hugging Face model directory;
+        `weightsync demo --engine KIND`); logs go under `workdir`."""
+        raise Unsupported(f"adapter {cls.name!r} cannot start an engine on this machine")
+
     def close(self) -> None:
         """Release connections."""
+
+
+@dataclass
+class LocalEngine:
+    """An engine `Adapter.launch_local` started: its config entry (url, api_key, name, adapter)
+    and how to stop it."""
+
+    spec: dict[str, Any]
+    stop: Callable[[], None]
 
 
 @dataclass
