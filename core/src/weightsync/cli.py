@@ -79,7 +79,9 @@ def _check(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
-    return run_demo(engine=args.engine, steps=args.steps, workdir=args.workdir)
+    return run_demo(engine=args.engine, steps=args.steps, workdir=args.workdir,
+                    mode="async" if args.async_ else "sync", push=not args.no_push,
+                    plot_path=args.plot)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -161,10 +163,18 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("config", help="a .yaml, .yml, .toml or .json sync config")
     sp.set_defaults(fn=_check)
 
-    sp = sub.add_parser("demo", help="train a tiny LM and push every step into live engines "
-                        "(needs weightsync-core[serve])", formatter_class=_FMT)
-    sp.add_argument("--engine", default="reference", help="reference, or a plugin's engine (vllm)")
-    sp.add_argument("--steps", type=int, default=5, help="training steps, one push each")
+    sp = sub.add_parser("demo", help="a GRPO run whose rollouts come from live engines, pushing "
+                        "every step (needs weightsync-core[serve])", formatter_class=_FMT)
+    sp.add_argument("--engine", default="reference", help="the adapter kind of the engines: "
+                    "reference, or a plugin's engine that can start locally (vllm)")
+    sp.add_argument("--steps", type=int, default=40, help="GRPO steps, one push each")
+    sp.add_argument("--async", dest="async_", action="store_true",
+                    help="generate the next step's rollouts while this step trains and pushes "
+                         "(one step off-policy)")
+    sp.add_argument("--no-push", action="store_true", help="never push (the control run: the "
+                    "engines keep the first weights and the reward must not rise)")
+    sp.add_argument("--plot", default=None, help="where the PNG of the run goes "
+                    "(default: ./weightsync-demo-ENGINE-MODE.png)")
     sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     sp.set_defaults(fn=_demo)
 

@@ -71,6 +71,19 @@ class EngineSpec(BaseModel):
         return urlparse(self.url).hostname or ""
 
 
+class ProbeSettings(BaseModel):
+    """After commit, engines that can score a sequence score a fixed probe sequence; the trainer
+    compares the logprobs with its own (docs/rl.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["auto", "on", "off"] = Field("auto", description=(
+        "auto: probe when the pushed model is a causal LM and the engine can score; on: a push "
+        "that cannot be probed fails; off: never"))
+    length: int = Field(24, ge=2, le=4096, description="tokens in the probe sequence")
+    tolerance: float = Field(0.05, gt=0, description="the largest |Δ logprob| accepted")
+    seed: int = Field(0, ge=0, description="the probe sequence's seed")
+
+
 class SyncSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     verify: bool = Field(True, description="compare every engine's digests with the sender's")
@@ -91,6 +104,7 @@ class SyncSettings(BaseModel):
     failure_policy: Literal["raise", "continue"] = "raise"
     progress: Literal["auto", "on", "off"] = "auto"
     max_inflight_buckets: int = Field(2, ge=1, le=8)
+    probe: ProbeSettings = Field(default_factory=ProbeSettings)
     metrics: "MetricsSettings | None" = Field(None, description=(
         "a JSON line per push to a file, and/or Prometheus metrics on a port"))
 

@@ -357,6 +357,10 @@ class Adapter(Bounded, Component):
     """The `SamplingParams` fields this engine honours in `generate`; empty: it cannot generate
     through weightsync, and the rollout client refuses it before sending anything."""
 
+    gates: ClassVar[bool] = False
+    """True when `generate` waits on the engine itself for a version the gate admits (and
+    refuses exact requests whose weights move); False: the client reads the version around it."""
+
     def generate(self, prompt: list[int], params: "SamplingParams", gate: "Gate") -> list["Sample"]:
         """`params.n` samples of `prompt`, each with the logprob of every sampled token and the
         version(s) it was computed with (`Sample.version`, `Sample.version_end`). Raises
@@ -379,12 +383,23 @@ class Adapter(Bounded, Component):
         the version that computed them: what the probe compares with the trainer's own."""
         raise Unsupported(f"adapter {self.name!r} cannot score a sequence")
 
+    def busy_seconds(self) -> float | None:
+        """Seconds the engine has spent generating since it started (an RL loop's idle
+        fraction); None when the engine does not report it."""
+        return None
+
+    def distrust(self, version: int, reason: str) -> bool:
+        """The probe failed on `version`: ask the engine to serve no gated request until a later
+        version is committed. False: the engine cannot record it (the report still says so)."""
+        return False
+
     @classmethod
     def start_command(cls, model: str, host: str, port: int, name: str,
-                      options: dict[str, Any], env: dict[str, str]) -> list[str]:
+                      options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
         """The argv that starts this engine on `model` listening on host:port (Ray's engine
         actors). May add to `env` and `options` (a token the adapter must send). "{python}" in
-        the argv stands for the node's interpreter."""
+        the argv stands for the node's interpreter; `extra` holds the launch's other fields
+        (device, load_roots) for the engines that read them."""
         raise Unsupported(f"adapter {cls.name!r} has no start command; give the launch a `command`")
 
     @classmethod

@@ -9,6 +9,9 @@
   weightsync_pause_window_seconds                 histogram
   weightsync_density                              gauge (delta encodings)
   weightsync_version                              gauge: the last version pushed
+  weightsync_probe_gap{engine}                    gauge: the probe's max |Δ logprob| per engine
+  weightsync_logprob_gap{engine,stat}             gauge: the train–inference gap of the rollouts
+                                                  (mean, max), from `WeightSync.record_gap`
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ class Metrics:
                                  buckets=buckets, registry=reg),
             "density": p.Gauge("weightsync_density", "changed elements / elements", registry=reg),
             "version": p.Gauge("weightsync_version", "last version pushed", registry=reg),
+            "probe": p.Gauge("weightsync_probe_gap", "the probe's max |d logprob|", ["engine"],
+                             registry=reg),
+            "gap": p.Gauge("weightsync_logprob_gap", "train-inference |d logprob| of rollouts",
+                           ["engine", "stat"], registry=reg),
         }
         server, _ = p.start_http_server(s.prometheus_port, addr=s.prometheus_host, registry=reg)
         self._server = server
@@ -91,6 +98,24 @@ class Metrics:
                 if report.density is not None:
                     m["density"].set(report.density)
                 m["version"].set(report.version)
+                for o in report.engines.values():
+                    if o.probe is not None:
+                        m["probe"].labels(o.engine).set(o.probe["max"])
+
+    def record_gap(self, engine: str, version: int, mean: float, max_: float) -> None:
+        """The train–inference gap of rollouts `engine` generated at `version`."""
+        s = self.settings
+        if s is None:
+            return
+        with self.lock:
+            if s.file:
+                line = json.dumps({"time": time.time(), "gap": {"engine": engine, "version": version,
+                                                                "mean": mean, "max": max_}})
+                with open(Path(s.file), "a") as f:
+                    f.write(line + "\n")
+            if self._m:
+                self._m["gap"].labels(engine, "mean").set(mean)
+                self._m["gap"].labels(engine, "max").set(max_)
 
     def close(self) -> None:
         server = getattr(self, "_server", None)

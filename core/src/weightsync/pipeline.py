@@ -16,6 +16,7 @@ from .config import ComponentRef, ResolvedConfig, SyncConfig, check_pause_mode, 
 from .errors import SyncError, WeightSyncError
 from .interfaces import Adapter, Encoding, Member, NameMap
 from .plugins import Components, load_components
+from .probe import run_probe
 from .report import EngineOutcome, SyncReport
 from .rounds import Calls, Clock, Renewer, Round
 from .stream import Stream
@@ -124,6 +125,16 @@ class WeightSync:
     def fleet_url(self) -> str | None:
         """Where members register, for a registry fleet."""
         return getattr(self.fleet, "url", None)
+
+    def rollout_client(self, **options: Any) -> Any:
+        """A RolloutClient over this sync's fleet (its live members, as the pushes see them)."""
+        from .rollout.client import RolloutClient
+        return RolloutClient(fleet=self.fleet, adapter=self.resolved.config.adapter.kind,
+                             components=self.components, **options)
+
+    def record_gap(self, engine: str, version: int, mean: float, max_: float) -> None:
+        """Record the train–inference gap of rollouts (metrics file and Prometheus)."""
+        self.metrics.record_gap(engine, version, mean, max_)
 
     def _adapter(self, m: Member) -> Adapter:
         key = m.spec.model_dump_json()
@@ -281,6 +292,8 @@ class WeightSync:
                             caught_up=True, count=not main)
         finally:
             renewer.close()
+        with clock.timed("probe"):
+            run_probe(model, version, live, report, self.settings.probe, calls.each)
         if any(o.ok for o in report.engines.values()):
             self.last_version = version
         report.verified = bool(report.engines) and all(o.status == "verified"

@@ -20,6 +20,7 @@ class EngineOutcome:
     seconds: float = 0.0                # from the start of the push until this engine was done
     status: Status | None = None        # verified | acknowledged | failed (None: not reached)
     caught_up: bool = False             # brought from an older version with whole tensors
+    probe: dict[str, Any] | None = None # the probe's |Δ logprob| (mean, max) and the version scored
 
     def fail(self, stage: str, error: str) -> None:
         self.ok, self.stage, self.error, self.status = False, stage, error, "failed"
@@ -43,6 +44,7 @@ class SyncReport:
     joined: list[str] = field(default_factory=list)     # fleet members new since the last push
     left: list[str] = field(default_factory=list)       # members gone since the last push
     excluded: dict[str, str] = field(default_factory=dict)  # members not synced, and why
+    probe: str | None = None            # what the probe did this push (None: not run)
 
     @property
     def ok(self) -> bool:

@@ -5,14 +5,16 @@ with round ids (`X-Weightsync-Round`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import requests
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import EngineError
+from ..errors import EngineError, WeightSyncError
 from ..httpclient import auth_headers, call, json_of, session_for
-from ..interfaces import Adapter, Endpoint, EngineStatus
+from ..interfaces import Adapter, Endpoint, EngineStatus, LocalEngine
+from ..rollout.types import Gate, NotFitting, Sample, SamplingParams
 
 
 ROUND_HEADER = "X-Weightsync-Round"
@@ -22,6 +24,8 @@ class ReferenceOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     timeout: float = Field(30.0, gt=0, description="seconds for control calls")
     payload_timeout: float = Field(300.0, gt=0, description="seconds for one payload or join")
+    generate_timeout: float = Field(600.0, gt=0, description="seconds for one generation request "
+                                                            "(beyond the gate's wait)")
 
 
 class ReferenceAdapter(Adapter):
@@ -111,6 +115,72 @@ class ReferenceAdapter(Adapter):
         body = self._post("/weightsync/pull", {"peer": dict(peer)},
                           timeout=self.options.payload_timeout) or {}
         return int(body.get("version", 0))
+
+    # -- rollouts and the probe --------------------------------------------------------------
+    sampling = frozenset(SamplingParams.model_fields)
+    scores = True
+    gates = True
+
+    def generate(self, prompt: list[int], params: SamplingParams, gate: Gate) -> list[Sample]:
+        """The engine gates on the server: it waits up to `gate.wait` for a fitting version."""
+        body = {"input_ids": prompt, "sampling": params.model_dump(), "wait": gate.wait,
+                "min_version": gate.min_version, "exact_version": gate.exact_version}
+        resp = call(self.session, self.engine_name, "POST", self.base + "/generate", json=body,
+                    headers=self.headers, ok=(200, 409),
+                    timeout=gate.wait + self.options.generate_timeout)
+        out = json_of(resp, self.engine_name) or {}
+        if resp.status_code == 409:
+            raise NotFitting(f"{self.engine_name}: {out.get('error', out)}", out.get("weight_version"))
+        try:
+            return [Sample(token_ids=s["output_ids"], logprobs=s["logprobs"],
+                           finish_reason=s["finish_reason"], engine=self.engine_name,
+                           version=int(s["weight_version"]), version_end=int(s["weight_version_end"]),
+                           prompt_ids=list(prompt)) for s in out["samples"]]
+        except (KeyError, TypeError, ValueError):
+            raise EngineError(self.engine_name, f"/generate answered without samples: "
+                                                f"{str(out)[:200]}") from None
+
+    def weight_version(self) -> int | None:
+        """None while the engine's probe failed on what it holds (it serves no gated request)."""
+        try:
+            st = self.health()
+        except WeightSyncError:
+            return None
+        bad = st.info.get("distrusted")
+        return None if bad and bad.get("version") == st.version else st.version
+
+    def score(self, ids: list[int]) -> tuple[list[float], int]:
+        out = self._post("/score", {"input_ids": list(ids)}) or {}
+        return [float(x) for x in out["logprobs"]], int(out["weight_version"])
+
+    def busy_seconds(self) -> float | None:
+        resp = call(self.session, self.engine_name, "GET", self.base + "/info",
+                    timeout=self.options.timeout, headers=self.headers)
+        return float((json_of(resp, self.engine_name) or {}).get("busy_seconds", 0.0))
+
+    def distrust(self, version: int, reason: str) -> bool:
+        self._post("/weightsync/distrust", {"version": version, "reason": reason})
+        return True
+
+    # -- launching ----------------------------------------------------------------------------
+    @classmethod
+    def start_command(cls, model: str, host: str, port: int, name: str,
+                      options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
+        argv = ["{python}", "-m", "weightsync", "serve", "--model", model, "--host", host,
+                "--port", str(port), "--name", name, "--device", str(extra.get("device", "cpu"))]
+        for root in extra.get("load_roots") or []:
+            argv += ["--load-root", root]
+        if extra.get("api_key"):
+            env["WEIGHTSYNC_API_KEY"] = extra["api_key"]
+        return argv
+
+    @classmethod
+    def launch_local(cls, model_dir: Path, workdir: Path, name: str,
+                     extra_args: list[str] | None = None) -> LocalEngine:
+        from ..testing.engines import EngineProcess
+        e = EngineProcess(model_dir, name=name, log=Path(workdir) / f"{name}.log",
+                          extra_args=extra_args or []).start(timeout=120)
+        return LocalEngine(e.spec(), e.stop)
 
     def close(self) -> None:
         self.session.close()

@@ -5,10 +5,18 @@ checked before bodies, bodies capped per route, connections capped and timed out
                                     (no key needed)
   GET  /info                        version, model kind, tensors (name -> dtype, shape)
   GET  /weights?name=..             live tensors as safetensors bytes (read-back for checks)
-  POST /generate                    {"input_ids": [...], "max_new_tokens": n, "min_version"?: v,
-                                    "exact_version"?: v, "wait"?: s} -> output_ids, finish_reason,
-                                    weight_version; 409 with "weight_version" when no fitting
-                                    version arrived within `wait` seconds
+  POST /generate                    {"input_ids": [...], "sampling": {n, temperature, top_p, top_k,
+                                    seed, max_new_tokens, stop_token_ids}, "min_version"?: v,
+                                    "exact_version"?: v, "wait"?: s} -> {"samples": [{output_ids,
+                                    logprobs, finish_reason, weight_version, weight_version_end}]}
+                                    and the first sample's fields at the top; without "sampling":
+                                    greedy, {"max_new_tokens": n}; 409 with "weight_version" when
+                                    no fitting version arrived within `wait` seconds. Concurrent
+                                    requests are batched (one forward pass per token, KV cache)
+  POST /score                       {"input_ids": [...]} -> {"logprobs", "weight_version"}: the
+                                    logprob of each token after the first (the trainer's probe)
+  POST /weightsync/distrust         {"version": v, "reason": r}: the probe failed on version v;
+                                    gated generation is refused until a later commit
   POST /pause                       {"mode": "abort"|"keep", "lease": s?}: with a lease the pause
                                     ends by itself unless renewed
   POST /resume
@@ -41,9 +49,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from safetensors.torch import save
 
 from ..errors import PayloadError
+from ..rollout.types import SamplingParams
 from ..httpserver import HttpError, Routes, Server, make_server as make_http_server
 from ..httpserver import MiB, resolve_key, warn_if_open
 from ..wire import read_frame_header
@@ -91,18 +101,46 @@ def _generate(h: Any, q: dict) -> Any:
     ids = body.get("input_ids", [])
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise HttpError(400, "input_ids must be a list of integers")
-    n = _int_or_none(body.get("max_new_tokens", 16), "max_new_tokens")
-    if n is None or not 0 <= n <= 100_000:
-        raise HttpError(400, "max_new_tokens must be an integer in 0..100000")
+    sampling = body.get("sampling")
+    if sampling is None:                 # the short form: greedy, max_new_tokens only
+        sampling = {"temperature": 0.0, "max_new_tokens": body.get("max_new_tokens", 16)}
+    try:
+        params = SamplingParams.model_validate(sampling)
+    except ValidationError as e:
+        raise HttpError(400, f"bad sampling parameters: {_explain(e)}") from None
     wait = body.get("wait", 0.0)
     if not isinstance(wait, (int, float)) or isinstance(wait, bool) or wait < 0:
         raise HttpError(400, "wait must be a number of seconds >= 0")
     try:
-        return h.engine.generate(ids, n, min_version=_int_or_none(body.get("min_version"), "min_version"),
-                                 exact_version=_int_or_none(body.get("exact_version"), "exact_version"),
-                                 wait=float(wait))
+        samples = h.engine.generate(
+            ids, params, min_version=_int_or_none(body.get("min_version"), "min_version"),
+            exact_version=_int_or_none(body.get("exact_version"), "exact_version"), wait=float(wait))
     except VersionGate as e:
         raise HttpError(409, str(e), weight_version=e.held) from None
+    first = samples[0]
+    return {**first, "version": first["weight_version"], "samples": samples}
+
+
+@routes.add("POST", "/score")
+def _score(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    ids = body.get("input_ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise HttpError(400, "input_ids must be a list of integers")
+    return h.engine.score(ids)
+
+
+@routes.add("POST", "/weightsync/distrust", max_body=JSON_CAP)
+def _distrust(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    h.engine.distrust(_int_or_none(body.get("version"), "version") or 0, str(body.get("reason", "")))
+    return {"distrusted": h.engine.distrusted}
+
+
+def _explain(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
 
 
 @routes.add("POST", "/pause")

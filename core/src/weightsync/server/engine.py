@@ -23,7 +23,9 @@ from ..errors import PayloadError
 from ..fleet.peer import Shares, pull
 from ..httpserver import Conflict409
 from ..receiver import ReceiveSession, check_tensor, read_checkpoint
+from ..rollout.types import SamplingParams
 from .model import LoadedModel
+from .sampler import Aborted, Sampler, make_rows, score
 
 log = logging.getLogger("weightsync.server")
 DEFAULT_LEASE = 10.0
@@ -83,49 +85,85 @@ class ReferenceEngine:
         self.shares = Shares(key=hmac_key)       # peer join: tokens this engine serves
         self.pulled = 0                          # versions taken from a peer
         self.pulled_from: str | None = None
+        self.distrusted: dict[str, Any] | None = None   # set when the trainer's probe failed
+        self.sampler: Sampler | None = None
+        if model.module is not None:
+            self.sampler = Sampler(model.module, self._step_gate([0]), self._forward)
         self._stop = threading.Event()
         if watchdog:
             threading.Thread(target=self._watch, name="ws-lease-watchdog", daemon=True).start()
 
     # -- generation -------------------------------------------------------------------------
-    def generate(self, ids: list[int], max_new_tokens: int, *, min_version: int | None = None,
-                 exact_version: int | None = None, wait: float = 0.0) -> dict[str, Any]:
-        """Greedy tokens. With `min_version` / `exact_version` it first waits up to `wait`
-        seconds for a fitting version, else answers 409 with the version it holds; an exact
-        request whose weights change while it runs is answered 409 as well, never with tokens
-        of two versions."""
+    def generate(self, ids: list[int], params: SamplingParams, *, min_version: int | None = None,
+                 exact_version: int | None = None, wait: float = 0.0,
+                 timeout: float = 600.0) -> list[dict[str, Any]]:
+        """`params.n` samples of `ids` with the logprob of every token, batched with whatever
+        else is waiting. With `min_version` / `exact_version` it first waits up to `wait` seconds
+        for a fitting version, else answers 409 with the version it holds; an exact request whose
+        weights change while it runs is answered 409 as well, never with tokens of two versions.
+        Other samples that span a commit carry both versions."""
         if self.model.module is None:
             raise Conflict("this is a weights-only engine (no config.json); it cannot generate")
         if not ids:
             raise PayloadError("input_ids must not be empty")
+        vocab = self.vocab_size()
+        bad = [t for t in ids + params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise PayloadError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
         self._gate(min_version, exact_version, wait)
+
+        def check(version: int) -> None:
+            if exact_version is not None and version != exact_version:
+                raise VersionGate(f"the weights changed from version {exact_version} to "
+                                  f"{version} during generation; retry", version)
+        rows = self.sampler.run(make_rows(ids, params), check, timeout)
+        return [r.as_dict() for r in rows]
+
+    def vocab_size(self) -> int:
+        assert self.model.module is not None
+        return int(self.model.module.get_output_embeddings().weight.shape[0])
+
+    def score(self, ids: list[int]) -> dict[str, Any]:
+        """The probe: the logprob of each token of `ids` after the first, and the version."""
+        if self.model.module is None:
+            raise Conflict("this is a weights-only engine (no config.json); it cannot score")
+        vocab = self.vocab_size()
+        if len(ids) < 2 or not all(0 <= t < vocab for t in ids):
+            raise PayloadError(f"input_ids must hold at least 2 token ids in 0..{vocab - 1}")
+        with self.model_lock:
+            return {"logprobs": score(self.model.module, ids), "weight_version": self.version}
+
+    def distrust(self, version: int, reason: str) -> None:
+        """The trainer's probe found that this engine does not compute with the weights of
+        `version`: gated generation is refused until a later version is committed."""
         with self.state:
-            epoch = self.pause_epoch
-        out: list[int] = []
-        first = last = self.version
-        for k in range(max_new_tokens):
+            if version == self.version:
+                self.distrusted = {"version": version, "reason": str(reason)[:500]}
+                self.state.notify_all()
+
+    def _step_gate(self, epoch: list[int]) -> Callable[[int], None]:
+        def gate(k: int) -> None:
             with self.state:
+                if k == 0:
+                    epoch[0] = self.pause_epoch
                 while self.paused == "keep":
                     self.state.wait()
-                if self.paused == "abort" or self.pause_epoch != epoch and self.paused is not None:
-                    return {"output_ids": out, "finish_reason": "abort", "version": first,
-                            "weight_version": first, "weight_version_end": last}
-            with self.model_lock:
-                tok = self.model.next_token(ids + out)
-                last = self.version
-            if k == 0:
-                first = last
-            if exact_version is not None and last != exact_version:
-                raise VersionGate(f"the weights changed from version {exact_version} to {last} "
-                                  f"during generation; retry", last)
-            out.append(tok)
-        return {"output_ids": out, "finish_reason": "length", "version": first,
-                "weight_version": first, "weight_version_end": last}
+                if self.paused == "abort" or (self.pause_epoch != epoch[0] and self.paused is not None):
+                    raise Aborted()
+        return gate
+
+    def _forward(self, **kw: Any) -> tuple[Any, int]:
+        assert self.model.module is not None
+        with self.model_lock:
+            return self.model.module(**kw), self.version
 
     def _gate(self, min_version: int | None, exact_version: int | None, wait: float) -> None:
         """Wait for resume, and for a version that fits the request, up to `wait` seconds."""
         def fits() -> bool:
             v = self.version
+            bad = self.distrusted is not None and self.distrusted["version"] == v
+            if bad and (min_version is not None or exact_version is not None):
+                return False                 # the probe failed on what it holds
             return (min_version is None or v >= min_version) and (exact_version is None or v == exact_version)
         deadline = time.monotonic() + max(0.0, min(float(wait), 3600.0))
         with self.state:
@@ -139,7 +177,10 @@ class ReferenceEngine:
                 if not fits() and left <= 0:
                     want = (f"version >= {min_version}" if exact_version is None
                             else f"version {exact_version}")
-                    raise VersionGate(f"{want} was asked for, this engine holds {self.version}",
+                    d = self.distrusted
+                    why = (f" (its probe failed: {d['reason']})"
+                           if d is not None and d["version"] == self.version else "")
+                    raise VersionGate(f"{want} was asked for, this engine holds {self.version}{why}",
                                       self.version)
                 self.state.wait(timeout=left if not fits() else None)
 
@@ -228,6 +269,7 @@ class ReferenceEngine:
             with self.model_lock:
                 r.session.commit()
                 self.version = version
+                self.distrusted = None
             self.round = None
         with self.state:
             self.state.notify_all()          # requests waiting for this version
@@ -337,7 +379,7 @@ class ReferenceEngine:
     def health(self) -> dict[str, Any]:
         r = self.round
         return {"status": "ok", "version": self.version, "weight_version": self.version,
-                "paused": self.paused, "peer": {"pulled": self.pulled, "from": self.pulled_from,
+                "paused": self.paused, "distrusted": self.distrusted, "peer": {"pulled": self.pulled, "from": self.pulled_from,
                                                 "served_buckets": self.shares.served},
                 "round": None if r is None else {"id": r.id, "version": r.version,
                                                  "expires_in": round(r.left(), 3)}}
@@ -346,6 +388,9 @@ class ReferenceEngine:
         store = self.model.store
         return {"name": self.name, "version": self.version, "model": self.model.kind,
                 "paused": self.paused, "can_generate": self.model.module is not None,
+                "generated_tokens": self.sampler.tokens if self.sampler else 0,
+                "batches": self.sampler.batches if self.sampler else 0,
+                "busy_seconds": round(self.sampler.busy_seconds(), 6) if self.sampler else 0.0,
                 "tensors": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
                             for n in store.names() if (t := store.get(n)) is not None}}
 

@@ -31,7 +31,7 @@ class EngineProcess:
                  name: str | None = None, log: Path | None = None, env: dict[str, str] | None = None,
                  device: str = "cpu", load_roots: list[str] | None = None,
                  extra_args: list[str] | None = None, scheme: str = "http",
-                 verify: bool | str = True) -> None:
+                 verify: bool | str = True, program: list[str] | None = None) -> None:
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.api_key = api_key
@@ -42,6 +42,8 @@ class EngineProcess:
         # tests load checkpoints from temporary directories: allow those unless told otherwise
         self.load_roots = [tempfile.gettempdir()] if load_roots is None else load_roots
         self.extra_args = list(extra_args or [])
+        # what runs `serve`: weightsync's CLI, or a test's own engine built on it
+        self.program = program or [sys.executable, "-m", "weightsync"]
         self.scheme, self.verify = scheme, verify          # https engines: --tls-cert/--tls-key
         self.proc: subprocess.Popen | None = None
         self._log_fh: IO | None = None
@@ -63,7 +65,7 @@ class EngineProcess:
 
     def launch(self) -> "EngineProcess":
         """Start the process without waiting for it (`start_all` starts several at once)."""
-        cmd = [sys.executable, "-m", "weightsync", "serve", "--model", self.model_dir,
+        cmd = [*self.program, "serve", "--model", self.model_dir,
                "--port", str(self.port), "--name", self.name, "--device", self.device]
         for root in self.load_roots:
             cmd += ["--load-root", root]

@@ -1,0 +1,83 @@
+"""GRPO on Samples: group-relative advantages, the trainer's logprobs of the sampled tokens, and
+the clipped importance-ratio loss against the engines' logprobs (the behaviour policy).
+
+Samples of one prompt form a group; each sample's advantage is its reward minus the group's mean,
+over the group's standard deviation. The loss is PPO's clipped surrogate per token, averaged over
+the tokens of the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch.func import functional_call
+
+from ..rollout.types import Sample
+
+
+@dataclass
+class Batch:
+    """Samples as padded tensors: prompt + completion ids, which positions are completion tokens,
+    the engines' logprobs there, and one advantage per sample."""
+
+    ids: torch.Tensor            # [B, T]
+    mask: torch.Tensor           # [B, T-1] float: 1 where position t predicts a sampled token
+    engine_lp: torch.Tensor      # [B, T-1] the engine's logprob of that token (0 elsewhere)
+    attention: torch.Tensor      # [B, T] 1 on real tokens (right padding)
+    advantages: torch.Tensor     # [B]
+
+
+def advantages(samples: list[Sample], rewards: list[float], eps: float = 1e-4) -> list[float]:
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.prompt_index, []).append(i)
+    out = [0.0] * len(samples)
+    for idx in groups.values():
+        r = torch.tensor([rewards[i] for i in idx])
+        a = (r - r.mean()) / (r.std(unbiased=False) + eps) if len(idx) > 1 else torch.zeros(1)
+        for i, v in zip(idx, a.tolist()):
+            out[i] = v
+    return out
+
+
+def make_batch(samples: list[Sample], advs: list[float]) -> Batch:
+    seqs = [s.prompt_ids + s.token_ids for s in samples]
+    width = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    att = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width - 1)
+    lp = torch.zeros(len(seqs), width - 1)
+    for i, (s, x) in enumerate(zip(samples, seqs)):
+        ids[i, :len(x)] = torch.tensor(x)
+        att[i, :len(x)] = 1
+        p, n = len(s.prompt_ids), len(s.token_ids)
+        mask[i, p - 1:p - 1 + n] = 1
+        lp[i, p - 1:p - 1 + n] = torch.tensor(s.logprobs)
+    return Batch(ids, mask, lp, att, torch.tensor(advs, dtype=torch.float32))
+
+
+def token_logprobs(model: torch.nn.Module, batch: Batch,
+                   weights: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """[B, T-1]: the model's logprob of each next token; with `weights` (a snapshot of another
+    version's parameters) the same model computes with those instead."""
+    kw: dict[str, Any] = {"input_ids": batch.ids, "attention_mask": batch.attention}
+    out = functional_call(model, dict(weights), (), kw) if weights is not None else model(**kw)
+    lp = torch.log_softmax(out.logits[:, :-1].float(), -1)
+    return lp.gather(2, batch.ids[:, 1:, None])[..., 0]
+
+
+def loss(model: torch.nn.Module, batch: Batch, clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped surrogate loss and the trainer's logprobs it was computed from (detached)."""
+    lp = token_logprobs(model, batch)
+    ratio = torch.exp(lp - batch.engine_lp) * batch.mask
+    adv = batch.advantages[:, None]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    return (per_token * batch.mask).sum() / batch.mask.sum().clamp(min=1), lp.detach()
+
+
+def gap(trainer_lp: torch.Tensor, batch: Batch) -> dict[str, float]:
+    """|Δ logprob| between the trainer and the engines over the sampled tokens: mean and max."""
+    d = (trainer_lp - batch.engine_lp).abs() * batch.mask
+    n = batch.mask.sum().clamp(min=1)
+    return {"mean": float(d.sum() / n), "max": float(d.max()) if batch.mask.any() else 0.0}

@@ -1,0 +1,118 @@
+"""One URL for the whole fleet: an HTTP service that takes generation requests and spreads them
+over the live members holding a fitting version (through a RolloutClient), so a trainer or an
+agent framework talks to one opaque endpoint while engines join, die and fall behind.
+
+  POST /generate   {"prompts": [[ids], ...] | "input_ids": [ids], "sampling": {...},
+                    "min_version"?: v, "exact_version"?: v, "wait"?: s, "mixed"?: "retry"|"keep"}
+                   -> {"samples": [{token_ids, logprobs, finish_reason, engine, version,
+                       version_end, prompt_ids, prompt_index}, ...]}
+                   503 {"error", "held": {member: version}} when no member could serve in time;
+                   400 for bad parameters or one an engine cannot honour
+  GET  /members    -> {"members": {name: version or why not}}
+  GET  /health     -> {"status": "ok", "members": n}   (no key needed)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..httpserver import HttpError, Routes, Server, make_server
+from .client import RolloutClient
+from .types import SamplingParams, StaleEngines, Unsupported
+
+routes = Routes()
+MAX_PROMPTS = 4096
+
+
+def _ids(v: Any, what: str) -> list[int]:
+    if not isinstance(v, list) or not v or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise HttpError(400, f"{what} must be a non-empty list of integer token ids")
+    return v
+
+
+def _opt_int(body: dict[str, Any], key: str) -> int | None:
+    v = body.get(key)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+        raise HttpError(400, f"{key} must be an integer, got {v!r}")
+    return v
+
+
+@routes.add("GET", "/health", auth=False, max_body=0)
+def _health(h: Any, q: dict) -> Any:
+    return {"status": "ok", "members": len(h.client.slots())}
+
+
+@routes.add("GET", "/members", max_body=0)
+def _members(h: Any, q: dict) -> Any:
+    return {"members": h.client.held()}
+
+
+@routes.add("POST", "/generate", max_body=64 << 20)
+def _generate(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    if "prompts" in body:
+        raw = body["prompts"]
+        if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PROMPTS:
+            raise HttpError(400, f"prompts must be a list of 1..{MAX_PROMPTS} token-id lists")
+        prompts = [_ids(p, f"prompts[{i}]") for i, p in enumerate(raw)]
+    else:
+        prompts = [_ids(body.get("input_ids"), "input_ids")]
+    try:
+        params = SamplingParams.model_validate(body.get("sampling") or {})
+    except ValidationError as e:
+        raise HttpError(400, "bad sampling parameters: " + "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())) from None
+    wait = body.get("wait", 30.0)
+    if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= 3600:
+        raise HttpError(400, "wait must be a number of seconds in 0..3600")
+    mixed = body.get("mixed", "retry")
+    if mixed not in ("retry", "keep"):
+        raise HttpError(400, "mixed must be 'retry' or 'keep'")
+    try:
+        samples = h.client.sample(prompts, params, min_version=_opt_int(body, "min_version"),
+                                  exact_version=_opt_int(body, "exact_version"),
+                                  wait=float(wait), mixed=mixed)
+    except StaleEngines as e:
+        raise HttpError(503, str(e), held=e.held) from None
+    except Unsupported as e:
+        raise HttpError(400, str(e)) from None
+    return {"samples": [s.to_json() for s in samples]}
+
+
+class RolloutRouter:
+    """The router service around `client`, started on a thread (`start`) or in the foreground
+    (`serve_forever`)."""
+
+    def __init__(self, client: RolloutClient, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None) -> None:
+        self.client = client
+        self.server: Server = make_server(routes, host, port, api_key=api_key, name="router",
+                                          state={"client": client}, max_connections=256)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "RolloutRouter":
+        self._thread = threading.Thread(target=self.server.serve_forever, name="ws-router",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.client.close()
+
+    def __enter__(self) -> "RolloutRouter":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,201 @@
+"""Rollouts for RL against reference engines in their own processes: samples with logprobs and
+version tags, spread over the fleet, one router URL, samples that span a swap, and the probe
+that catches an engine computing with other weights than the bytes it verified."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import requests
+import torch
+
+from weightsync import WeightSync
+from weightsync.errors import SyncError
+from weightsync.rollout import RolloutClient, RolloutRouter, SamplingParams, StaleEngines, Unsupported
+from weightsync.rollout.remote import RouterClient
+from weightsync.testing import EngineProcess
+from weightsync.testing.engines import start_all
+from weightsync.testing.models import build_tiny_model, load_trainer_model
+
+HERE = Path(__file__).parent
+SYNC = {"sync": {"progress": "off"}, "exporter": {"kind": "torch", "options": {"bucket_bytes": "64KiB"}}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("rl") / "m"
+    build_tiny_model(d, "llama", vocab=128)
+    return d
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
+    logs = tmp_path_factory.mktemp("logs")
+    engines = start_all([EngineProcess(model_dir, name=n, log=logs / f"{n}.log") for n in ("a", "b")])
+    yield engines
+    for e in engines:
+        e.stop()
+
+
+@torch.no_grad()
+def _logprobs(model: torch.nn.Module, ids: list[int], temperature: float) -> list[float]:
+    """The trainer's logprob of each next token under the temperature-scaled distribution."""
+    x = torch.tensor([ids])
+    lp = torch.log_softmax(model(input_ids=x).logits[0, :-1] / temperature, -1)
+    return lp.gather(1, x[0, 1:, None])[:, 0].tolist()
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def test_samples_carry_logprobs_versions_and_spread_over_the_fleet(model_dir: Path,
+                                                                   pair: list[EngineProcess]) -> None:
+    model = load_trainer_model(model_dir)
+    with WeightSync.from_config({**SYNC, "engines": [e.spec() for e in pair]}) as sync:
+        version = max(e.health()["version"] for e in pair) + 1
+        _perturbed(model, version)
+        report = sync.push(model, version=version)
+        assert report.ok and report.verified, report.summary()
+        assert all(o.probe is not None and o.probe["max"] < 1e-4 for o in report.engines.values())
+        with RolloutClient([e.spec() for e in pair]) as client:
+            prompts = [[1, 5, 9], [2, 4], [7, 7, 7, 7], [3]]
+            params = SamplingParams(n=3, temperature=0.8, top_p=0.95, top_k=50, seed=5,
+                                    max_new_tokens=6)
+            samples = client.sample(prompts, params, exact_version=version)
+            assert [s.prompt_index for s in samples] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+            assert {s.engine for s in samples} == {"a", "b"}
+            for s in samples:
+                assert s.version == s.version_end == version
+                assert len(s.token_ids) == len(s.logprobs) == 6 and s.finish_reason == "length"
+                mine = _logprobs(model, s.prompt_ids + s.token_ids, 0.8)[len(s.prompt_ids) - 1:]
+                assert max(abs(a - b) for a, b in zip(mine, s.logprobs)) < 1e-4
+            again = client.sample(prompts[:1], params, exact_version=version)
+            assert [s.token_ids for s in again] == [s.token_ids for s in samples[:3]]
+            with pytest.raises(StaleEngines, match=rf"version >= {version + 1} .*'a': {version}"):
+                client.sample([[1, 2]], params, min_version=version + 1, wait=0.5)
+
+
+def test_a_parameter_an_engine_cannot_honour_is_refused(pair: list[EngineProcess]) -> None:
+    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync.plugins import load_components
+
+    class GreedyOnly(ReferenceAdapter):
+        name = "greedy-only"
+        sampling = frozenset({"max_new_tokens", "temperature"})
+
+    components = load_components()
+    components.adapters.add(GreedyOnly)
+    with RolloutClient([{**pair[0].spec(), "adapter": "greedy-only"}], components=components) as c:
+        assert c.sample([[1, 2]], {"temperature": 0.0, "max_new_tokens": 2})[0].token_ids
+        with pytest.raises(Unsupported, match=r"cannot honour \['seed', 'top_p'\]"):
+            c.sample([[1, 2]], {"seed": 1, "top_p": 0.5})
+
+
+def test_the_router_serves_the_fleet_at_one_url(model_dir: Path, pair: list[EngineProcess],
+                                                tmp_path: Path) -> None:
+    third = EngineProcess(model_dir, name="c", log=tmp_path / "c.log").start(timeout=120)
+    try:
+        client = RolloutClient([e.spec() for e in pair] + [third.spec()], refresh=0.0)
+        with RolloutRouter(client) as router:
+            rc = RouterClient(router.url)
+            out = rc.sample([[1, 2, 3]] * 6, {"n": 2, "max_new_tokens": 3, "seed": 1})
+            assert len(out) == 12 and {s.engine for s in out} == {"a", "b", "c"}
+            third.kill()                         # a member dies: the others serve
+            out = rc.sample([[4, 5]] * 6, {"max_new_tokens": 2}, min_version=0)
+            assert {s.engine for s in out} <= {"a", "b"} and len(out) == 6
+            r = requests.post(router.url + "/generate", json={"input_ids": [1], "exact_version": 999,
+                                                              "wait": 0.3}, timeout=30)
+            assert r.status_code == 503
+            body = r.json()
+            assert "no member could serve version 999" in body["error"]
+            assert set(body["held"]) == {"a", "b", "c"} and "c" in body["held"]
+            r = requests.post(router.url + "/generate", json={"input_ids": [1], "sampling": {"top_p": 2}},
+                              timeout=30)
+            assert r.status_code == 400 and "top_p" in r.json()["error"]
+    finally:
+        third.stop()
+
+
+def test_a_sample_that_spans_a_swap_carries_both_versions_or_is_regenerated(
+        model_dir: Path, tmp_path: Path) -> None:
+    eng = EngineProcess(model_dir, name="s", log=tmp_path / "s.log").start(timeout=120)
+    model = load_trainer_model(model_dir)
+    try:
+        with WeightSync.from_config({**SYNC, "engines": [eng.spec()], "sync": {"progress": "off",
+                                                                                 "pause_mode": "keep"}}) as sync, \
+                RolloutClient([eng.spec()]) as client:
+            long = SamplingParams(max_new_tokens=400, temperature=1.0, seed=2)
+            got: dict[str, Any] = {}
+            th = threading.Thread(target=lambda: got.update(s=client.sample([[1, 2]], long, mixed="keep")))
+            th.start()
+            info = lambda: requests.get(eng.url + "/info", timeout=10).json()  # noqa: E731
+            deadline = __import__("time").monotonic() + 60
+            while info()["generated_tokens"] < 5 and __import__("time").monotonic() < deadline:
+                pass
+            _perturbed(model, 1)
+            assert sync.push(model, version=1).ok
+            th.join(300)
+            (s,) = got["s"]
+            assert (s.version, s.version_end) == (0, 1) and s.mixed
+            # by default such a sample is refused and generated again, all at one version
+            th = threading.Thread(target=lambda: got.update(r=client.sample([[1, 2]], long)))
+            th.start()
+            base = info()["generated_tokens"]
+            while info()["generated_tokens"] < base + 5 and __import__("time").monotonic() < deadline + 60:
+                pass
+            _perturbed(model, 2)
+            assert sync.push(model, version=2).ok
+            th.join(300)
+            (r,) = got["r"]
+            assert r.version == r.version_end == 2 and client.refused_mixed >= 1
+    finally:
+        eng.stop()
+
+
+def _swap(a: str, b: str):  # noqa: ANN202
+    def name_map(name: str, t: torch.Tensor):  # noqa: ANN202
+        yield {a: b, b: a}.get(name, name), t
+    return name_map
+
+
+def test_the_probe_catches_swapped_tensors_and_weights_corrupted_after_commit(
+        model_dir: Path, tmp_path: Path) -> None:
+    """Both engines verify every digest (the bytes are the ones sent) and still compute with other
+    weights; the probe fails them, and gated generation no longer counts them as holding it."""
+    swapped = EngineProcess(model_dir, name="swapped", log=tmp_path / "w.log")
+    faulty = EngineProcess(model_dir, name="faulty", log=tmp_path / "f.log",
+                           program=[sys.executable, str(HERE / "faulty_engine.py")])
+    start_all([swapped, faulty])
+    model = load_trainer_model(model_dir)
+    try:
+        up0, up1 = "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"
+        with WeightSync.from_config({**SYNC, "engines": [swapped.spec()]}) as sync:
+            _perturbed(model, 1)
+            with pytest.raises(SyncError, match="at probe: the engine's logprobs differ"):
+                sync.push(model, version=1, name_map=_swap(up0, up1))
+        with WeightSync.from_config({**SYNC, "engines": [faulty.spec()]}) as sync:
+            with pytest.raises(SyncError) as e:
+                sync.push(model, version=1)
+            o = e.value.report.engines["faulty"]
+            assert o.stage == "probe" and o.version == 1 and o.probe["max"] > 0.05
+        for eng in (swapped, faulty):
+            assert eng.health()["distrusted"]["version"] == 1
+            with RolloutClient([eng.spec()]) as c, pytest.raises(StaleEngines, match="probe failed"):
+                c.sample([[1, 2]], {"max_new_tokens": 2}, min_version=1, wait=0.5)
+        # a later push that passes the probe is trusted again (the swapped engine, fixed map)
+        with WeightSync.from_config({**SYNC, "engines": [swapped.spec()]}) as sync:
+            _perturbed(model, 2)
+            assert sync.push(model, version=2).ok
+        with RolloutClient([swapped.spec()]) as c:
+            assert c.sample([[1, 2]], {"max_new_tokens": 2}, min_version=2)[0].version == 2
+    finally:
+        swapped.stop()
+        faulty.stop()
