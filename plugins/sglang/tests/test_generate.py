@@ -139,3 +139,22 @@ def test_a_swap_during_the_request_is_never_one_version(start_standin, model_sd,
     else:
         # held: what the engine said right after the abort (the swap may not have landed yet)
         assert "aborted the request" in str(out["error"]) and out["error"].held in (0, 1)
+
+
+def test_body_validates_as_sglangs_own_sampling_params(sglang_runner, tmp_path) -> None:
+    """SGLang 0.5.23's own SamplingParams takes every value the adapter sends (greedy, filters off,
+    per-sample seeds, stop ids) and GenerateReqInput knows every key of the body."""
+    import json
+    body = generation.generate_body(PROMPT, SamplingParams(n=2, top_p=0.9, seed=7, stop_token_ids=[5]))
+    greedy = generation.generate_body(PROMPT, SamplingParams(temperature=0, top_k=3))
+    body["sampling_params"] += greedy["sampling_params"]
+    (tmp_path / "body.json").write_text(json.dumps(body))
+    r = sglang_runner(HERE / "sglang_checks" / "check_generate.py", str(tmp_path / "body.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["errors"] == [] and out["unknown_body_keys"] == [] and out["unknown_sampling_keys"] == []
+    first, second, g = out["parsed"]
+    assert (first["top_k"], first["top_p"], first["sampling_seed"], first["stop_token_ids"]) == \
+        (out["top_k_all"], 0.9, 7, [5])
+    assert second["sampling_seed"] == 8
+    assert (g["top_k"], g["temperature"]) == (1, 1.0)          # SGLang's greedy: top_k 1 at T 1
