@@ -103,8 +103,12 @@ def test_score_equals_the_hf_models_log_softmax(served: Served) -> None:
 
 
 def test_invalid_requests_say_what_was_wrong(served: Served) -> None:
-    with pytest.raises(EngineError, match="(?i)context length|max_model_len|maximum"):
+    with pytest.raises(EngineError, match="vLLM refused POST /v1/completions: max_tokens=50000 "
+                                          "cannot be greater than max_model_len=512"):
         served.adapter.generate(PROMPT, SamplingParams(max_new_tokens=50_000), Gate())
+    with pytest.raises(EngineError, match="maximum context length is 512 tokens. However, your "
+                                          "prompt contains 600 input tokens"):
+        served.adapter.generate([5] * 600, SamplingParams(max_new_tokens=4), Gate())
     with pytest.raises(NotFitting, match="holds version 0; the request wants version 7") as e:
         served.adapter.generate(PROMPT, SamplingParams(), Gate(exact_version=7))
     assert e.value.held == 0

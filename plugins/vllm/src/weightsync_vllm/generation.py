@@ -176,10 +176,16 @@ class VllmRollouts:
         """POST /v1/completions outside any push deadline (a rollout is not part of a push)."""
         try:
             resp = call(self.session, self.engine_name, "POST", self.base + "/v1/completions",
-                        timeout=self.options.payload_timeout, json=body, headers=self.headers)
+                        timeout=self.options.payload_timeout, json=body, headers=self.headers,
+                        ok=(200, 400))
         except EngineError as e:
             raise self._explain(e, "/v1/completions") from None
-        return json_of(resp, self.engine_name)
+        out = json_of(resp, self.engine_name)
+        if resp.status_code == 400:      # vLLM: {"error": {"message", "type", "param", "code"}}
+            err = out.get("error") if isinstance(out, dict) else None
+            msg = err.get("message") if isinstance(err, dict) else None
+            raise EngineError(self.engine_name, f"vLLM refused POST /v1/completions: {msg or out}")
+        return out
 
     @classmethod
     def start_command(cls, model: str, host: str, port: int, name: str,
