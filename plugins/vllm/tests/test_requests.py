@@ -279,3 +279,17 @@ def test_start_command_without_vllm_says_what_to_install(monkeypatch: pytest.Mon
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="vLLM is not installed on this node"):
         VllmAdapter.start_command("/m", "h", 1, "e", {}, {})
+
+
+def test_an_aborted_completion_is_not_fitting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that a pause in mode abort ended comes back partial: refused, never a sample."""
+    from weightsync.config import EngineSpec
+    from weightsync.rollout.types import Gate, NotFitting, SamplingParams
+    a = VllmAdapter(engine=EngineSpec(url="http://127.0.0.1:9", name="e"))
+    versions = iter([4, 5])
+    monkeypatch.setattr(a, "weight_version", lambda: next(versions))
+    monkeypatch.setattr(a, "_generation_call", lambda body: {"choices": [
+        {"index": 0, "token_ids": [3], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "abort"}]})
+    with pytest.raises(NotFitting, match="engine e aborted the request") as e:
+        a.generate([1, 2], SamplingParams(max_new_tokens=4), Gate(min_version=4))
+    assert e.value.held == 5

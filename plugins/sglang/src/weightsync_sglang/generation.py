@@ -136,7 +136,10 @@ class SGLangRollouts:
         unseeded."""
         if self._seeded is None:
             resp = self._request("GET", "/get_server_info")
-            info = resp.json() if resp.status_code == 200 else {}
+            try:
+                info = resp.json() if resp.status_code == 200 else {}
+            except ValueError:
+                info = {}
             self._seeded = bool(isinstance(info, dict) and info.get("enable_deterministic_inference"))
         if not self._seeded:
             raise Unsupported(f"engine {self.engine_name}: SGLang applies a seed (sampling_seed) "

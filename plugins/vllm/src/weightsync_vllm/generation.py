@@ -154,6 +154,9 @@ class VllmRollouts:
         else:
             body = self._generation_call(completion_body(prompt, params))
             out = parse_choices(self.engine_name, body, params.n)
+            if any(reason == "abort" for _, _, reason in out):
+                raise NotFitting(f"engine {self.engine_name} aborted the request (a weight "
+                                 f"update paused it with mode abort)", self.weight_version())
         end = self.weight_version()
         if end is None:
             raise NotFitting(f"engine {self.engine_name} did not say which version it held "
