@@ -22,7 +22,9 @@ class Standin:
     """`python lmd_standin.py` in a child process holding `model`'s tensors."""
 
     def __init__(self, tmp: Path, model: dict[str, torch.Tensor], *, tp: int = 1,
-                 backend: str = "pytorch", api_key: str | None = None) -> None:
+                 backend: str = "pytorch", api_key: str | None = None,
+                 logprobs_mode: str | None = "raw_logprobs") -> None:
+        self.logprobs_mode = logprobs_mode
         self.port = free_port()
         self.tp, self.backend, self.api_key = tp, backend, api_key
         self.model_file = tmp / f"standin-{self.port}.safetensors"
@@ -48,6 +50,8 @@ class Standin:
                "--group-timeout", "60"]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.logprobs_mode:
+            cmd += ["--logprobs-mode", self.logprobs_mode]
         self._fh = open(self.log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.monotonic() + timeout

@@ -14,7 +14,8 @@ LMDeploy 0.18.0's own code wherever it imports without CUDA:
     `func(*args)` and `.clone()` per (rebuild_fn, args) pair, `args[6]` set to the current CUDA
     device for CUDA handles.
 
-Routes (docs/engines.md, LMDeploy): POST /update_weights (200, body `null`; 500 "Internal Server Error" on any
+Routes (docs/engines.md, LMDeploy): POST /generate (GenerateReqInput -> GenerateReqOutput with
+made-up tokens; 400 with LMDeploy's check_request words, 503 while asleep), POST /update_weights (200, body `null`; 500 "Internal Server Error" on any
 exception), /init_weights_update_group, /update_weights_from_distributed,
 /destroy_weights_update_group ({"success", "message"}, 200 or 400; 501 on backend turbomind),
 /sleep?level=1|2 and /wakeup?tags=.. (empty 200), GET /is_sleeping. Every POST route requires
@@ -44,6 +45,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import random
 import re
 import sys
 import threading
@@ -64,8 +66,10 @@ def request_models() -> dict[str, Any]:
     if proto is not None:
         return {"update": proto.UpdateParamsRequest, "init": proto.InitWeightsUpdateGroupRequest,
                 "dist": proto.UpdateWeightsFromDistributedRequest,
-                "destroy": proto.DestroyWeightsUpdateGroupRequest}
-    from pydantic import BaseModel
+                "destroy": proto.DestroyWeightsUpdateGroupRequest,
+                "generate": proto.GenerateReqInput, "generate_meta": proto.GenerateReqMetaOutput,
+                "generate_out": proto.GenerateReqOutput}
+    from pydantic import BaseModel, Field
 
     class UpdateParamsRequest(BaseModel):
         serialized_named_tensors: str | list[str] | dict
@@ -91,8 +95,40 @@ def request_models() -> dict[str, Any]:
     class DestroyWeightsUpdateGroupRequest(BaseModel):
         group_name: str
 
+    class GenerateReqInput(BaseModel):         # the fields the stand-in reads, as LMDeploy has them
+        session_id: int | None = -1
+        prompt: str | None = None
+        input_ids: list[int] | None = None
+        return_logprob: bool | None = None
+        top_logprobs_num: int | None = None
+        logprob_start_len: int = Field(default=-1, ge=-1)
+        max_tokens: int = 128
+        stop_token_ids: list[int] | None = None
+        stream: bool | None = False
+        temperature: float | None = None
+        ignore_eos: bool | None = False
+        top_p: float | None = None
+        top_k: int | None = None
+
+    class GenerateReqMetaOutput(BaseModel):
+        prompt_tokens: int | None = None
+        completion_tokens: int | None = None
+        finish_reason: dict[str, Any] | None = None
+        output_token_logprobs: list[tuple[float, int]] | None = None
+        input_token_logprobs: list[tuple[float, int]] | None = None
+        output_top_logprobs: list[list[tuple[float, int]]] | None = None
+        input_top_logprobs: list[list[tuple[float, int]]] | None = None
+        routed_experts: list[list[list[int]]] | str | None = None
+
+    class GenerateReqOutput(BaseModel):
+        text: str
+        output_ids: list[int]
+        meta_info: GenerateReqMetaOutput
+
     return {"update": UpdateParamsRequest, "init": InitWeightsUpdateGroupRequest,
-            "dist": UpdateWeightsFromDistributedRequest, "destroy": DestroyWeightsUpdateGroupRequest}
+            "dist": UpdateWeightsFromDistributedRequest, "destroy": DestroyWeightsUpdateGroupRequest,
+            "generate": GenerateReqInput, "generate_meta": GenerateReqMetaOutput,
+            "generate_out": GenerateReqOutput}
 
 
 def lmdeploy_utils() -> Any:
@@ -454,7 +490,8 @@ class Handler(BaseHTTPRequestHandler):
         route = {"/update_weights": self.update_weights, "/sleep": self.sleep, "/wakeup": self.wakeup,
                  "/init_weights_update_group": self.init_group,
                  "/update_weights_from_distributed": self.update_from_distributed,
-                 "/destroy_weights_update_group": self.destroy_group}.get(u.path)
+                 "/destroy_weights_update_group": self.destroy_group,
+                 "/generate": self.generate}.get(u.path)
         if route is None:
             return self.send_json(404, {"detail": "Not Found"})
         try:
@@ -541,6 +578,41 @@ class Handler(BaseHTTPRequestHandler):
         self.server_state.stats["destroy_group"] += 1
         self._group_reply(self.server_state.on_ranks("destroy_group", req))
 
+    def generate(self, q: dict, data: Any) -> None:
+        """LMDeploy's /generate, non-streaming: GenerateReqInput in, GenerateReqOutput out, the
+        checks of its check_request that apply here with its words. The tokens and logprobs are
+        made up (a function of the prompt, the position and the number of completed syncs), and
+        stop tokens are left out of output_ids as LMDeploy does."""
+        req = self.validate("generate", data)
+        if req is None:
+            return
+        st = self.server_state
+        err = generate_error(req, st.args.logprobs_mode)
+        if err:
+            return self.send_error_envelope(400, err)
+        if st.sleeping_tags:
+            return self.send_error_envelope(503, "Engine is sleeping.")
+        st.stats["generate"] = st.stats.get("generate", 0) + 1
+        top_k = req["top_k"] if req["top_k"] is not None else 50     # GenerationConfig's default
+        stops = set(req["stop_token_ids"] or [])
+        rng = random.Random()
+        ids = req["input_ids"]
+        out: list[int] = []
+        reason = "length"
+        while len(out) < req["max_tokens"]:
+            tok = (sum(ids) + 31 * st.stats["finished"] + 17 * len(out)
+                   + (0 if top_k == 1 else rng.randrange(1000))) % 1000
+            if tok in stops:
+                reason = "stop"
+                break
+            out.append(tok)
+        models = st.models
+        meta = models["generate_meta"](
+            finish_reason={"type": reason}, prompt_tokens=len(ids), completion_tokens=len(out),
+            output_token_logprobs=[(standin_logprob(t), t) for t in out] if req["return_logprob"] and out else None)
+        self.send_json(200, json.loads(models["generate_out"](text="", output_ids=out, meta_info=meta)
+                                       .model_dump_json()))
+
     def sleep(self, q: dict, data: Any) -> None:
         level = q.get("level", ["1"])[0]
         try:
@@ -566,6 +638,33 @@ class Handler(BaseHTTPRequestHandler):
         self.send(200)
 
 
+def generate_error(req: dict[str, Any], logprobs_mode: str | None) -> str:
+    """The parts of LMDeploy's generate.check_request that apply to a text-free stand-in."""
+    if logprobs_mode is None and req["return_logprob"]:
+        return (f"return_logprob({req['return_logprob']}) requested but not enabled logprobs_mode "
+                f"in engine configuration.")
+    if (req["prompt"] is not None) ^ (req["input_ids"] is None):
+        return "You must specify exactly one of prompt or input_ids"
+    if req["input_ids"] is not None and len(req["input_ids"]) == 0:
+        return "The input_ids must not be an empty list"
+    if req["max_tokens"] is not None and req["max_tokens"] < 0:
+        return f"The max_tokens {req['max_tokens']!r} must be non-negative."
+    if req["max_tokens"] == 0:
+        return f"The max_tokens {req['max_tokens']!r} must be a positive integer."
+    if req["top_p"] is not None and not (0 < req["top_p"] <= 1):
+        return f"The top_p {req['top_p']!r} must be in (0, 1]."
+    if req["top_k"] is not None and req["top_k"] < 0:
+        return f"The top_k {req['top_k']!r} cannot be a negative integer."
+    if req["temperature"] is not None and not (0 <= req["temperature"] <= 2):
+        return f"The temperature {req['temperature']!r} must be in [0, 2]"
+    return ""
+
+
+def standin_logprob(token: int) -> float:
+    """A made-up raw logprob (raw_logprobs: no temperature in it), not a model's."""
+    return -((token % 89) + 1) / 10.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Stand-in LMDeploy api_server for tests (not LMDeploy)")
     ap.add_argument("--model", required=True, help="a .safetensors file with the model's weights")
@@ -574,6 +673,8 @@ def main() -> None:
     ap.add_argument("--backend", default="pytorch", choices=["pytorch", "turbomind"])
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--group-timeout", type=float, default=60.0)
+    ap.add_argument("--logprobs-mode", default=None, choices=["raw_logits", "raw_logprobs"],
+                    help="LMDeploy's flag: /generate returns logprobs only with it")
     args = ap.parse_args()
     Handler.server_state = Server(args)
     httpd = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)

@@ -32,7 +32,8 @@ class StandIn:
     """One stand-in SGLang server process (tests/standin/sglang_standin.py)."""
 
     def __init__(self, model_dir: Path, log: Path, *, tp_size: int = 1, admin_key: str | None = None,
-                 group_timeout: float = 30.0, step_seconds: float = 0.02, name: str | None = None) -> None:
+                 group_timeout: float = 30.0, step_seconds: float = 0.02, name: str | None = None,
+                 deterministic: bool = False) -> None:
         self.port = free_port()
         self.model_dir = model_dir
         self.admin_key = admin_key
@@ -43,6 +44,8 @@ class StandIn:
                "--step-seconds", str(step_seconds)]
         if admin_key:
             cmd += ["--admin-api-key", admin_key]
+        if deterministic:
+            cmd += ["--enable-deterministic-inference"]
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60

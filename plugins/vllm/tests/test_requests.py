@@ -204,3 +204,92 @@ def test_index_needs_a_local_directory(tmp_path: Path) -> None:
         CheckpointIndex("org/some-hub-model")
     with pytest.raises(PayloadError, match="no \\*.safetensors"):
         CheckpointIndex(tmp_path)
+
+
+# -- rollouts: request bodies against vLLM's own CompletionRequest ------------------------------
+@needs_vllm
+def test_completion_body_becomes_the_asked_vllm_sampling_params() -> None:
+    """Every SamplingParams field reaches vLLM's own SamplingParams (nothing silently dropped),
+    the sampled token's logprob is asked for, and child i of n gets seed + i."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+    from weightsync.rollout.types import SamplingParams
+    from weightsync_vllm.generation import SAMPLING, completion_body
+
+    p = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, seed=11, max_new_tokens=9,
+                       stop_token_ids=[2, 4])
+    req = CompletionRequest.model_validate({"model": "m", **completion_body([1, 2, 3], p)})
+    sp = req.to_sampling_params(9)
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.max_tokens) == (3, 0.7, 0.9, 5, 11, 9)
+    assert set(sp.stop_token_ids) == {2, 4} and sp.logprobs == 0 and req.return_token_ids
+    assert req.prompt == [1, 2, 3]
+    assert SAMPLING == set(SamplingParams.model_fields)
+    parent = ParentRequest.__new__(ParentRequest)
+    parent.sampling_params, parent.cached_child_sampling_params = sp, None
+    assert [parent._get_child_sampling_params(i).seed for i in range(3)] == [11, 12, 13]
+    off = CompletionRequest.model_validate({"model": "m", **completion_body([1], SamplingParams())})
+    assert off.to_sampling_params(16).top_k in (0, -1) and off.seed is None
+
+
+@needs_vllm
+def test_score_body_asks_the_prompt_tokens_own_logprobs() -> None:
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from weightsync_vllm.generation import score_body
+    sp = CompletionRequest.model_validate({"model": "m", **score_body([5, 6, 7])}).to_sampling_params(1)
+    assert sp.prompt_logprobs == 0 and sp.max_tokens == 1
+
+
+def test_parse_choices_refuses_missing_logprobs() -> None:
+    from weightsync.errors import EngineError
+    from weightsync_vllm.generation import parse_choices
+    good = {"choices": [{"index": 1, "token_ids": [4], "logprobs": {"token_logprobs": [-0.5]},
+                         "finish_reason": "stop"},
+                        {"index": 0, "token_ids": [3, 9], "finish_reason": "length",
+                         "logprobs": {"token_logprobs": [-1.0, -2.0]}}]}
+    assert parse_choices("e", good, 2) == [([3, 9], [-1.0, -2.0], "length"), ([4], [-0.5], "stop")]
+    bad = {"choices": [{"index": 0, "token_ids": [3, 9], "logprobs": {"token_logprobs": [-1.0]}}]}
+    with pytest.raises(EngineError, match="2 tokens but logprobs"):
+        parse_choices("e", bad, 1)
+    with pytest.raises(EngineError, match="without token_ids or logprobs"):
+        parse_choices("e", {"choices": [{"index": 0, "text": "x"}]}, 1)
+    with pytest.raises(EngineError, match="1 choices for n=2"):
+        parse_choices("e", bad, 2)
+
+
+def test_start_command_keeps_or_makes_the_backend_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    options: dict = {}
+    env = {"WEIGHTSYNC_API_KEY": "sk-1"}
+    argv = VllmAdapter.start_command("/m", "10.0.0.2", 8123, "e1", options, env)
+    assert argv[:3] == ["{python}", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--model") + 1] == "/m"
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "weightsync"}
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_API_KEY"] == "sk-1"
+    assert len(options["token"]) == 32 and env["WEIGHTSYNC_VLLM_TOKEN"] == options["token"]
+    kept: dict = {"token": "t0"}
+    VllmAdapter.start_command("/m", "h", 1, "e", kept, env2 := {})
+    assert kept["token"] == env2["WEIGHTSYNC_VLLM_TOKEN"] == "t0"
+
+
+def test_start_command_without_vllm_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    from weightsync.errors import ConfigError
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="vLLM is not installed on this node"):
+        VllmAdapter.start_command("/m", "h", 1, "e", {}, {})
+
+
+def test_an_aborted_completion_is_not_fitting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that a pause in mode abort ended comes back partial: refused, never a sample."""
+    from weightsync.config import EngineSpec
+    from weightsync.rollout.types import Gate, NotFitting, SamplingParams
+    a = VllmAdapter(engine=EngineSpec(url="http://127.0.0.1:9", name="e"))
+    versions = iter([4, 5])
+    monkeypatch.setattr(a, "weight_version", lambda: next(versions))
+    monkeypatch.setattr(a, "_generation_call", lambda body: {"choices": [
+        {"index": 0, "token_ids": [3], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "abort"}]})
+    with pytest.raises(NotFitting, match="engine e aborted the request") as e:
+        a.generate([1, 2], SamplingParams(max_new_tokens=4), Gate(min_version=4))
+    assert e.value.held == 5

@@ -8,7 +8,9 @@ What LMDeploy lacks, and what this adapter does about it:
   `/wakeup?tags=weights`; resuming is `/wakeup?tags=kv_cache`.
 - No weight-version route. The version is remembered per engine URL in the trainer process
   (`versions`); a new trainer process starts from 0 and resends everything, which is harmless
-  because LMDeploy only ever takes whole weights (encodings raw and cast).
+  because LMDeploy only ever takes whole weights (encodings raw and cast). For rollouts
+  (`weight_version`, `generate`) an engine this process committed nothing to has no known
+  version (None), never an assumed 0.
 - No read-back and no abort of an update. `finished=true` rides on the very last call of a sync
   and is the only call that completes it. LMDeploy's PyTorch backend writes each call straight
   into the live parameters, so after a sync fails part-way the engine holds a mix: the adapter
@@ -31,6 +33,7 @@ from weightsync.errors import ConfigError, EngineError, WeightSyncError
 from weightsync.httpclient import auth_headers, call, json_of
 from weightsync.interfaces import Adapter, Encoding, EngineStatus, Payload, Transport
 
+from .generation import LmdeployRollouts
 from .segments import LayerGrouper, Segment, flattened_runs, plain
 from .serialize import serialize_flattened, serialize_plain
 
@@ -65,7 +68,7 @@ class LmdeployOptions(BaseModel):
         return v
 
 
-class LmdeployAdapter(Adapter):
+class LmdeployAdapter(LmdeployRollouts, Adapter):
     name = "lmdeploy"
     Options = LmdeployOptions
     capabilities: ClassVar[frozenset[str]] = frozenset({"lmdeploy_ipc", "group"})
@@ -134,6 +137,12 @@ class LmdeployAdapter(Adapter):
             v = versions.get(self.base, 0)
         return EngineStatus(v, bool(body.get("is_sleeping")), {"is_sleeping": body.get("is_sleeping"),
                                                               "version_source": "adapter"})
+
+    def weight_version(self) -> int | None:
+        """The version this process last committed to this engine; None when it committed none
+        (LMDeploy itself has no version, so nothing else is known)."""
+        with _versions_lock:
+            return versions.get(self.base)
 
     def pause(self, mode: str) -> None:
         if mode not in self.pause_modes:

@@ -31,8 +31,9 @@ from weightsync.errors import ConfigError, EngineError
 from weightsync.httpclient import auth_headers, call, error_text
 from weightsync.interfaces import Adapter, EngineStatus
 
+from .generation import SGLangRollouts
 from .readback import Sampler, depth, same
-from .versions import from_sglang, to_sglang
+from .versions import to_sglang
 
 log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -60,7 +61,7 @@ class SGLangOptions(BaseModel):
     readback_rows: int = Field(2, ge=1, le=100, description="rows (dim 0) read back per sampled tensor")
 
 
-class SGLangAdapter(Adapter):
+class SGLangAdapter(SGLangRollouts, Adapter):
     name = "sglang"
     Options = SGLangOptions
     capabilities = frozenset({"group", "sglang_tensor", "disk"})
@@ -109,18 +110,7 @@ class SGLangAdapter(Adapter):
         if resp.status_code != 200:
             raise EngineError(self.engine_name, f"{self.options.health_route} -> HTTP "
                                                 f"{resp.status_code}: {error_text(resp)}")
-        resp = self._request("GET", "/model_info")
-        try:
-            info = resp.json() if resp.status_code == 200 else None
-        except ValueError:
-            info = None
-        if not isinstance(info, dict):
-            raise EngineError(self.engine_name, f"GET /model_info -> HTTP {resp.status_code}: "
-                                                f"{error_text(resp)}")
-        try:
-            version = from_sglang(info.get("weight_version"), self.options.version_prefix)
-        except ValueError as e:
-            raise EngineError(self.engine_name, str(e)) from None
+        version, info = self.model_info()
         return EngineStatus(version, self._mode is not None, info)
 
     def pause(self, mode: str) -> None:

@@ -10,7 +10,12 @@ the same rendezvous (each TP rank joins at rank_offset + tp_rank through
 flattened_bucket broadcast with byte offsets and the "Unaligned received tensor" check), the same
 SafeUnpickler allow-list for /update_weights_from_tensor, and SGLang's semantics: nothing is
 staged (a failed update leaves the weights partially updated), updates wait for in-flight
-generations unless generation is paused, pause modes abort | retract | in_place.
+generations unless generation is paused, pause modes abort | retract | in_place. `/generate`
+takes SGLang's GenerateReqInput (one prompt or a batch, input_ids, sampling_params checked as
+SGLang's SamplingParams.verify does, return_logprob) and answers SGLang's shape (output_ids,
+meta_info with finish_reason, weight_version and, with return_logprob, output_token_logprobs as
+[logprob, token id, text] triples); its tokens and logprobs are made-up functions of the weights,
+not a model's.
 
 As in SGLang, every TP rank is its own process (spawned workers); the model is a weights-only
 safetensors directory held by rank 0 (the "model runner"), and `load_weights` fails on an unknown
@@ -18,6 +23,7 @@ name or a wrong shape. Test-only extras live under /standin/ (read weights back,
 
     python sglang_standin.py --model DIR --port P [--tp-size N] [--admin-api-key K]
                              [--group-timeout S] [--step-seconds S]
+                             [--enable-deterministic-inference]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import io
 import json
 import multiprocessing as mp
 import pickle
+import random
 import sys
 import threading
 import time
@@ -292,8 +299,10 @@ class Aborted(Exception):
 
 
 class Server:
-    def __init__(self, model: Path, tp_size: int, group_timeout: float, step_seconds: float) -> None:
+    def __init__(self, model: Path, tp_size: int, group_timeout: float, step_seconds: float,
+                 deterministic: bool = False) -> None:
         from safetensors.torch import load_file
+        self.deterministic = deterministic
         self.model_path = str(model)
         self.tensors: dict[str, torch.Tensor] = {}
         for f in sorted(model.glob("*.safetensors")):
@@ -389,22 +398,44 @@ class Server:
                 acc = (acc * 31 + int(t.reshape(-1)[:8].float().sum().mul(1000).round().item())) % 100003
         return acc % 1000
 
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        n = int((body.get("sampling_params") or {}).get("max_new_tokens", 16))
-        rid = body.get("rid") or uuid.uuid4().hex
+    def generate(self, body: dict[str, Any]) -> Any:
+        """GenerateReqInput: one prompt, or a batch (input_ids a list of lists, sampling_params
+        a list or one dict for all); a batch answers a list, in order. Sampling params are
+        checked as SGLang's SamplingParams.verify does (a ValueError: HTTP 400)."""
+        ids = body.get("input_ids")
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids or []]
+        sps = body.get("sampling_params") or {}
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+        logprob = body.get("return_logprob") or False
+        logprob = logprob if isinstance(logprob, list) else [logprob] * len(prompts)
+        if len(sps) != len(prompts) or len(logprob) != len(prompts):
+            raise ValueError("The length of sampling_params and input_ids must match")
+        params = [sampling(sp) for sp in sps]
+        outs = [self.generate_one(list(p or []), sp, bool(lp), body.get("rid") if not batch else None)
+                for p, sp, lp in zip(prompts, params, logprob)]
+        return outs if batch else outs[0]
+
+    def generate_one(self, prompt: list[int], sp: dict[str, Any], logprob: bool,
+                     rid: str | None) -> dict[str, Any]:
+        n = sp["max_new_tokens"]
+        rid = rid or uuid.uuid4().hex
         st = {"abort": False, "retracted": 0}
         out: list[int] = []
         versions: list[str] = []
+        # SGLang draws with sampling_seed only under deterministic inference; else it is unseeded
+        seed = sp.get("sampling_seed") if self.deterministic else None
+        rng = random.Random(seed if seed is not None else uuid.uuid4().int)
         with self.cond:
             if self.paused == "abort":      # aborted while the update holds the lock
-                return self._gen_out(rid, out, versions, "abort", st)
+                return self._gen_out(rid, out, versions, "abort", st, logprob, sp)
             self.cond.wait_for(lambda: self.paused is None and not self.updating)
             self.running[rid] = st
         try:
             while len(out) < n:
                 with self.cond:
                     if st["abort"]:
-                        return self._gen_out(rid, out, versions, "abort", st)
+                        return self._gen_out(rid, out, versions, "abort", st, logprob, sp)
                     if self.paused == "retract":
                         st["retracted"] += 1     # back to the queue; KV recomputed after continue
                         self.cond.wait_for(lambda: self.paused != "retract" or st["abort"])
@@ -412,22 +443,65 @@ class Server:
                     if self.paused == "in_place":
                         self.cond.wait_for(lambda: self.paused != "in_place" or st["abort"])
                         continue
-                    out.append(self.token())
+                    # greedy (top_k 1): a function of the weights and the position only
+                    tok = (self.token() + 17 * len(out)
+                           + (0 if sp["top_k"] == 1 else rng.randrange(1000))) % 1000
+                    out.append(tok)
                     versions.append(self.weight_version)
+                if tok in sp["stop_token_ids"]:
+                    return self._gen_out(rid, out, versions, "stop", st, logprob, sp)
                 time.sleep(self.step_seconds)
-            return self._gen_out(rid, out, versions, "length", st)
+            return self._gen_out(rid, out, versions, "length", st, logprob, sp)
         finally:
             with self.cond:
                 self.running.pop(rid, None)
                 self.cond.notify_all()
 
     def _gen_out(self, rid: str, out: list[int], versions: list[str], reason: str,
-                 st: dict[str, Any]) -> dict[str, Any]:
-        return {"text": "", "output_ids": out,
-                "meta_info": {"id": rid, "finish_reason": {"type": reason},
-                              "completion_tokens": len(out), "weight_version": self.weight_version,
-                              "standin_token_weight_versions": versions,
-                              "standin_retractions": st["retracted"]}}
+                 st: dict[str, Any], logprob: bool, sp: dict[str, Any]) -> dict[str, Any]:
+        finish: dict[str, Any] = {"type": reason}
+        if reason == "stop":
+            finish["matched"] = out[-1]
+        elif reason == "length":
+            finish["length"] = len(out)
+        meta: dict[str, Any] = {"id": rid, "finish_reason": finish, "prompt_tokens": 0,
+                                "completion_tokens": len(out), "cached_tokens": 0,
+                                "weight_version": self.weight_version,
+                                "standin_token_weight_versions": versions,
+                                "standin_retractions": st["retracted"]}
+        if logprob:
+            # SGLang: [logprob, token id, text or None] per token (text only with
+            # return_text_in_logprobs); the stand-in's logprob is a made-up function of the
+            # token and the temperature, not a model's
+            meta["output_token_logprobs"] = [[standin_logprob(t, sp["temperature"]), t, None]
+                                             for t in out]
+            meta["input_token_logprobs"] = []
+        return {"text": "", "output_ids": out, "meta_info": meta}
+
+
+def sampling(sp: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's SamplingParams: its defaults, temperature 0 as top_k 1 at temperature 1, and
+    verify()'s checks with SGLang's words."""
+    d = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": None,
+         "sampling_seed": None, "n": 1, **{k: v for k, v in sp.items() if v is not None}}
+    if 0 <= d["temperature"] < 1e-6:
+        d["temperature"], d["top_k"] = 1.0, 1
+    if d["top_k"] == -1:
+        d["top_k"] = 1 << 30
+    if d["temperature"] < 0:
+        raise ValueError(f"temperature must be a non-negative finite number, got {d['temperature']}.")
+    if not 0.0 < d["top_p"] <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {d['top_p']}.")
+    if d["top_k"] < 1:
+        raise ValueError(f"top_k must be -1 (disable) or at least 1, got {d['top_k']}.")
+    if d["max_new_tokens"] < 0:
+        raise ValueError(f"max_new_tokens must be at least 0, got {d['max_new_tokens']}.")
+    d["stop_token_ids"] = {int(t) for t in d["stop_token_ids"] or []}
+    return d
+
+
+def standin_logprob(token: int, temperature: float) -> float:
+    return -((token % 97) + 1) / (10.0 * temperature)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -513,7 +587,19 @@ def _model_info(h: Handler, s: Server, q: dict) -> None:
 
 @route(("POST", "/generate"))
 def _generate(h: Handler, s: Server, q: dict) -> None:
-    h._send(200, s.generate(h._body()))
+    try:
+        out = s.generate(h._body())
+    except ValueError as e:        # SGLang's _create_error_response
+        return h._send(400, {"error": {"message": str(e)}})
+    h._send(200, out)
+
+
+@route(("GET", "/get_server_info"))
+def _server_info(h: Handler, s: Server, q: dict) -> None:
+    """A few of SGLang's server args (the stand-in has no others) and its version."""
+    h._send(200, {"model_path": s.model_path, "tp_size": len(s.workers),
+                  "enable_deterministic_inference": s.deterministic,
+                  "sampling_backend": "pytorch", "version": "0.5.23"})
 
 
 @route(("POST", "/pause_generation"))
@@ -725,8 +811,11 @@ def main() -> None:
     ap.add_argument("--group-timeout", type=float, default=1800.0,
                     help="rendezvous timeout of init_weights_update_group (SGLang: torch's 30 min)")
     ap.add_argument("--step-seconds", type=float, default=0.02, help="time per generated token")
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="SGLang's flag: only then is a request's sampling_seed applied")
     a = ap.parse_args()
-    state = Server(Path(a.model), a.tp_size, a.group_timeout, a.step_seconds)
+    state = Server(Path(a.model), a.tp_size, a.group_timeout, a.step_seconds,
+                   a.enable_deterministic_inference)
     handler = type("H", (Handler,), {"server_state": state, "admin_key": a.admin_api_key})
     httpd = ThreadingHTTPServer((a.host, a.port), handler)
     httpd.daemon_threads = True

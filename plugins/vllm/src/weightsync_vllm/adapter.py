@@ -25,9 +25,9 @@ from weightsync.errors import EngineError
 from weightsync.httpclient import auth_headers, call, json_of
 from weightsync.interfaces import Adapter, Endpoint, EngineStatus
 
-log = logging.getLogger(__name__)
+from .generation import TOKEN_ENV, VllmRollouts, parse_version as _parse_version
 
-TOKEN_ENV = "WEIGHTSYNC_VLLM_TOKEN"
+log = logging.getLogger(__name__)
 FLAG = "--weight-transfer-config '{\"backend\": \"weightsync\"}'"
 
 
@@ -71,7 +71,7 @@ def render_update_weights(header: dict[str, Any], body: torch.Tensor,
     return [head, base64.b64encode(data), b'"}}'], "application/json"
 
 
-class VllmAdapter(Adapter):
+class VllmAdapter(VllmRollouts, Adapter):
     name = "vllm"
     Options = VllmOptions
     capabilities = frozenset({"http", "announce", "group", "disk"})
@@ -328,13 +328,3 @@ class VllmAdapter(Adapter):
             self._bodies.close()
             self._bodies = None
 
-
-def _parse_version(raw: Any) -> int:
-    """vLLM's weight_version is a free string (None until set); weightsync writes integers."""
-    if raw is None or raw == "":
-        return 0
-    try:
-        return int(str(raw))
-    except ValueError:
-        digits = "".join(c for c in str(raw).rsplit("-", 1)[-1].rsplit("_", 1)[-1] if c.isdigit())
-        return int(digits) if digits else 0

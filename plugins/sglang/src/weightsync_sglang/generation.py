@@ -1,0 +1,159 @@
+"""Rollouts on an SGLang server through its native `POST /generate` (GenerateReqInput): token-id
+prompts, `return_logprob` for the sampled tokens' logprobs (`meta_info.output_token_logprobs`,
+[logprob, token id, text] per token) and `meta_info.weight_version`, the version SGLang holds
+when it answers. Nothing of SGLang is imported."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from weightsync.errors import EngineError
+from weightsync.httpclient import call, error_text
+from weightsync.rollout.types import Gate, NotFitting, Sample, SamplingParams, Unsupported
+
+from .versions import from_sglang
+
+SAMPLING = frozenset(SamplingParams.model_fields)
+DETERMINISTIC = "--enable-deterministic-inference"
+
+
+def generate_body(prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+    """A batch of `params.n` copies of the prompt, one sampling_params each: sample i gets
+    `sampling_seed` seed + i, so it is reproducible on its own (SGLang's own `n` would give every
+    copy the same seed). SGLang's top_k switches off at -1 (0 is refused)."""
+    def one(i: int) -> dict[str, Any]:
+        sp: dict[str, Any] = {"max_new_tokens": params.max_new_tokens,
+                              "temperature": params.temperature, "top_p": params.top_p,
+                              "top_k": params.top_k if params.top_k > 0 else -1}
+        if params.stop_token_ids:
+            sp["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:
+            sp["sampling_seed"] = params.seed + i
+        return sp
+    return {"input_ids": [[int(t) for t in prompt] for _ in range(params.n)],
+            "sampling_params": [one(i) for i in range(params.n)], "return_logprob": True}
+
+
+def parse_output(engine: str, out: Any) -> tuple[list[int], list[float], str, Any]:
+    """(token ids, logprobs, finish reason, meta weight_version) of one /generate answer item."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict) or not isinstance(out.get("output_ids"), list):
+        raise EngineError(engine, f"/generate answered without output_ids or meta_info: {str(out)[:300]}")
+    ids = [int(t) for t in out["output_ids"]]
+    triples = meta.get("output_token_logprobs")
+    if not isinstance(triples, list) or len(triples) != len(ids):
+        raise EngineError(engine, f"/generate answered {len(ids)} tokens but output_token_logprobs "
+                                  f"{str(triples)[:200]} (is return_logprob supported?)")
+    lps = []
+    for pos, (t, triple) in enumerate(zip(ids, triples)):
+        if not isinstance(triple, list | tuple) or triple[0] is None or int(triple[1]) != t:
+            raise EngineError(engine, f"output_token_logprobs[{pos}] is {triple}, not "
+                                      f"[logprob, {t}, text]")
+        lps.append(float(triple[0]))
+    reason = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \
+        else meta.get("finish_reason")
+    return ids, lps, str(reason), meta.get("weight_version")
+
+
+class SGLangRollouts:
+    """The `sglang` adapter's rollout members (mixed into SGLangAdapter)."""
+
+    session: Any
+    headers: dict[str, str]
+    base: str
+    options: Any
+    engine_name: str
+    _request: Any
+    _seeded: bool | None = None
+
+    sampling: ClassVar[frozenset[str]] = SAMPLING
+
+    def weight_version(self) -> int | None:
+        try:
+            return self.model_info()[0]      # "default" (a fresh engine) is version 0
+        except EngineError:
+            return None
+
+    def model_info(self) -> tuple[int, dict[str, Any]]:
+        """GET /model_info: (weightsync version of its weight_version, the whole answer)."""
+        resp = self._request("GET", "/model_info")
+        try:
+            info = resp.json() if resp.status_code == 200 else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise EngineError(self.engine_name, f"GET /model_info -> HTTP {resp.status_code}: "
+                                                f"{error_text(resp)}")
+        return self._version(info.get("weight_version")), info
+
+    def _version(self, raw: Any) -> int:
+        try:
+            return from_sglang(raw, self.options.version_prefix)
+        except ValueError as e:
+            raise EngineError(self.engine_name, str(e)) from None
+
+    def generate(self, prompt: list[int], params: SamplingParams, gate: Gate) -> list[Sample]:
+        """One batched /generate. SGLang cannot hold a request until a version arrives: the
+        version is read before (it must fit the gate, else NotFitting at once) and is the
+        samples' `version`; `version_end` is the weight_version SGLang reports with its answer
+        (a swap during the request, under an in-place pause, shows as a mixed sample)."""
+        if params.seed is not None:
+            self._check_seeded()
+        held = self.weight_version()
+        if not gate.fits(held):
+            raise NotFitting(f"engine {self.engine_name} holds version {held}; the request "
+                             f"wants {gate.describe()}", held)
+        resp = call(self.session, self.engine_name, "POST", self.base + "/generate",
+                    timeout=self.options.update_timeout, ok=(200, 400), headers=self.headers,
+                    json=generate_body(prompt, params))
+        if resp.status_code != 200:
+            raise EngineError(self.engine_name, f"SGLang refused POST /generate: {_message(resp)}")
+        outs = resp.json()
+        if not isinstance(outs, list) or len(outs) != params.n:
+            raise EngineError(self.engine_name, f"/generate answered {str(outs)[:200]} for a "
+                                                f"batch of {params.n}")
+        samples = []
+        after: int | None = None
+        for out in outs:
+            ids, lps, reason, raw = parse_output(self.engine_name, out)
+            if reason == "abort":
+                raise NotFitting(f"engine {self.engine_name} aborted the request (a weight "
+                                 f"update paused it with mode abort)", self.weight_version())
+            if raw is None:              # an SGLang that does not report it: read it now
+                after = after if after is not None else self.weight_version()
+                end = after
+            else:
+                end = self._version(raw)
+            if end is None:
+                raise NotFitting(f"engine {self.engine_name} did not say which version it held "
+                                 f"after the request", held)
+            samples.append(Sample(ids, lps, reason, self.engine_name, int(held), end, list(prompt)))
+        return samples
+
+    def _check_seeded(self) -> None:
+        """SGLang draws with `sampling_seed` only when it runs deterministic inference; any other
+        server ignores the seed, so a seeded request is refused there instead of being sampled
+        unseeded."""
+        if self._seeded is None:
+            resp = self._request("GET", "/get_server_info")
+            try:
+                info = resp.json() if resp.status_code == 200 else {}
+            except ValueError:
+                info = {}
+            self._seeded = bool(isinstance(info, dict) and info.get("enable_deterministic_inference"))
+        if not self._seeded:
+            raise Unsupported(f"engine {self.engine_name}: SGLang applies a seed (sampling_seed) "
+                              f"only when started with {DETERMINISTIC}; restart it so, or leave "
+                              f"`seed` unset")
+
+
+def _message(resp: Any) -> str:
+    """SGLang answers a bad /generate with 400 {"error": {"message": ...}}."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return error_text(resp)
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    return error_text(resp)

