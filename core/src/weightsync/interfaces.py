@@ -403,9 +403,11 @@ class Adapter(Bounded, Component):
         raise Unsupported(f"adapter {cls.name!r} has no start command; give the launch a `command`")
 
     @classmethod
-    def launch_local(cls, model_dir: Path, workdir: Path, name: str) -> "LocalEngine":
+    def launch_local(cls, model_dir: Path, workdir: Path, name: str,
+                     extra_args: list[str] | None = None) -> "LocalEngine":
         """Start one engine on this machine serving `model_dir` (a Hugging Face model directory;
-        `weightsync demo --engine KIND`); logs go under `workdir`."""
+        `weightsync demo --engine KIND`); logs go under `workdir`; `extra_args` go to its
+        command line."""
         raise Unsupported(f"adapter {cls.name!r} cannot start an engine on this machine")
 
     def close(self) -> None:

@@ -192,11 +192,14 @@ class VllmRollouts:
 
     @classmethod
     def start_command(cls, model: str, host: str, port: int, name: str,
-                      options: dict[str, Any], env: dict[str, str]) -> list[str]:
+                      options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
+        if extra.get("api_key"):
+            env["WEIGHTSYNC_API_KEY"] = extra["api_key"]
         return vllm_command(model, host, port, name, options, env)
 
     @classmethod
-    def launch_local(cls, model_dir: Path, workdir: Path, name: str) -> LocalEngine:
+    def launch_local(cls, model_dir: Path, workdir: Path, name: str,
+                     extra_args: list[str] | None = None) -> LocalEngine:
         """vLLM (OpenAI entrypoint, `weightsync` backend, float32, processed logprobs) on a model
         directory on this machine; a tokenizer is built next to the model when it has none."""
         from .testing import VllmServer, build_tokenizer, vllm_available
@@ -210,7 +213,8 @@ class VllmRollouts:
         print(f"starting vLLM on {model_dir} (about 20-60 s on a small CPU; log: {log_file})",
               flush=True)
         server = VllmServer(model_dir, log=log_file, name=name,
-                            extra_args=["--dtype", "float32", *LOGPROBS_ARGS]).start()
+                            extra_args=["--dtype", "float32", *LOGPROBS_ARGS, *(extra_args or [])]
+                            ).start()
         return LocalEngine({**server.spec(), "adapter": "vllm"}, server.stop)
 
 
