@@ -77,6 +77,34 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _route(args: argparse.Namespace) -> int:
+    from .httpserver import resolve_key
+    from .plugins import load_components
+    from .rollout import RolloutClient, RolloutRouter
+    components = load_components()
+    if bool(args.fleet) == bool(args.engine):
+        raise UserError("give the fleet registry (--fleet URL) or the engines (--engine URL ...)")
+    if args.fleet:
+        cls = components.fleets.get("registry")
+        fleet = cls(cls.Options.model_validate({"url": args.fleet, "api_key": args.fleet_key}))
+        fleet.open(components, None)
+        client = RolloutClient(fleet=fleet, adapter=args.adapter, components=components)
+    else:
+        client = RolloutClient([{"url": u, "adapter": args.adapter} for u in args.engine],
+                               components=components)
+    router = RolloutRouter(client, args.host, args.port,
+                           api_key=resolve_key(args.api_key, args.api_key_file,
+                                               env="WEIGHTSYNC_ROUTER_KEY"))
+    print(f"weightsync router at {router.url} (POST /generate, GET /members)", flush=True)
+    try:
+        router.server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        router.close()
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
     return run_demo(engine=args.engine, steps=args.steps, workdir=args.workdir,
@@ -165,8 +193,8 @@ def parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("demo", help="a GRPO run whose rollouts come from live engines, pushing "
                         "every step (needs weightsync-core[serve])", formatter_class=_FMT)
-    sp.add_argument("--engine", default="reference", help="the adapter kind of the engines: "
-                    "reference, or a plugin's engine that can start locally (vllm)")
+    sp.add_argument("--engine", default="reference", help="the adapter kind of the engines: the "
+                    "built-in reference engine, or a plugin's engine that can start locally")
     sp.add_argument("--steps", type=int, default=40, help="GRPO steps, one push each")
     sp.add_argument("--async", dest="async_", action="store_true",
                     help="generate the next step's rollouts while this step trains and pushes "
@@ -177,6 +205,18 @@ def parser() -> argparse.ArgumentParser:
                     "(default: ./weightsync-demo-ENGINE-MODE.png)")
     sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     sp.set_defaults(fn=_demo)
+
+    sp = sub.add_parser("route", help="serve generation for a whole fleet at one URL: requests "
+                        "go to live members holding a fitting version", formatter_class=_FMT)
+    sp.add_argument("--fleet", default=None, metavar="URL", help="a fleet registry to follow")
+    sp.add_argument("--fleet-key", default=None, help="the registry's key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--engine", action="append", default=[], metavar="URL",
+                    help="a static engine instead of a registry (repeat)")
+    sp.add_argument("--adapter", default="reference", help="adapter kind of members that name none")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sp.add_argument("--port", type=int, default=8300, help="port to listen on")
+    _key_args(sp, "the router", "WEIGHTSYNC_ROUTER_KEY")
+    sp.set_defaults(fn=_route)
 
     sp = sub.add_parser("bench", help="benchmark transports against baselines and floors "
                         "(needs weightsync-core[bench])", formatter_class=_FMT)
@@ -193,12 +233,13 @@ def parser() -> argparse.ArgumentParser:
                          "CUDA is available)")
     sp.set_defaults(fn=_bench)
 
-    sp = sub.add_parser("join", help="register an engine that cannot register itself (vLLM, "
-                        "SGLang, LMDeploy) with a fleet registry, heartbeat, deregister on exit",
+    sp = sub.add_parser("join", help="register an engine that cannot register itself "
+                        "with a fleet registry, heartbeat, deregister on exit",
                         formatter_class=_FMT)
     sp.add_argument("--fleet", required=True, metavar="URL", help="the fleet registry")
     sp.add_argument("--fleet-key", default=None, help="the registry's API key (or $WEIGHTSYNC_FLEET_KEY)")
-    sp.add_argument("--engine", required=True, help="adapter kind: vllm, sglang, lmdeploy, reference")
+    sp.add_argument("--engine", required=True, help="the engine's adapter kind (`weightsync plugins` "
+                    "lists them)")
     sp.add_argument("--url", required=True, help="the engine's URL")
     _key_args(sp, "the engine", "WEIGHTSYNC_ENGINE_KEY")
     sp.add_argument("--name", default=None, help="member name (default: the URL's host:port)")
