@@ -5,7 +5,8 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 ENGINE  ?= reference
-STEPS   ?= 5
+STEPS   ?= 40
+ARGS    ?=
 PYTEST_ARGS ?=
 STAMP   := $(VENV)/.installed
 
@@ -41,7 +42,7 @@ $(STAMP): requirements-dev.txt core/pyproject.toml $(wildcard plugins/*/pyprojec
 	touch $@
 
 demo: venv $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
-	$(BIN)/weightsync demo --engine $(ENGINE) --steps $(STEPS)
+	$(BIN)/weightsync demo --engine $(ENGINE) --steps $(STEPS) $(ARGS)
 
 test: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -22,7 +22,7 @@ import torch
 
 from .rl.report import MARGIN, first_last, plot, print_step, print_summary
 
-PROMPTS, GROUP, LR, EPOCHS = 32, 8, 3e-3, 4
+PROMPTS, GROUP, LR, EPOCHS, SEED = 32, 8, 3e-3, 4, 1
 
 
 def _wait(cond: Callable[[], bool], timeout: float) -> bool:
@@ -93,7 +93,7 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
             rc = RouterClient(router.url)
             loop = RLLoop(model, opt, sync if push else _NoPush(sync), rc.sample,
                           CountingTask(seed=1), SamplingParams(n=GROUP, temperature=1.0,
-                                                               max_new_tokens=4, seed=None),
+                                                               max_new_tokens=4, seed=SEED),
                           prompts_per_step=PROMPTS, mode=mode, epochs=EPOCHS,
                           busy=lambda: _busy(sync))
             stats = []

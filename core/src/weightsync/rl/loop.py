@@ -68,6 +68,8 @@ class RLLoop:
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-rl-rollouts")
         self.busy_total: dict[str, float] = {}
+        self._requests = 0
+        self._fresh = True                   # the model's weights are those of self.version
         self.wall = 0.0
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
@@ -75,7 +77,11 @@ class RLLoop:
 
     def _request(self, min_version: int) -> Future:
         prompts = self.task.prompts(self.prompts_per_step)
-        return self._pool.submit(self.sampler, prompts, self.params, min_version=min_version,
+        params = self.params
+        if params.seed is not None:           # a seeded run draws new samples every step
+            self._requests += 1
+            params = params.model_copy(update={"seed": params.seed + self._requests * 100_003})
+        return self._pool.submit(self.sampler, prompts, params, min_version=min_version,
                                  wait=self.wait)
 
     def run(self, steps: int) -> Iterator[StepStats]:
@@ -129,6 +135,7 @@ class RLLoop:
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()
+            self._fresh = False
             st.loss = float(loss.detach())
         return st
 
@@ -139,8 +146,8 @@ class RLLoop:
         versions = sorted({s.version for s in keep})
         lp = lp_now.clone()
         for v in versions:
-            if v == self.version:
-                continue
+            if v == self.version and self._fresh:
+                continue                         # the loss's forward pass ran these weights
             rows = [i for i, s in enumerate(keep) if s.version == v]
             sub = grpo.Batch(batch.ids[rows], batch.mask[rows], batch.engine_lp[rows],
                              batch.attention[rows], batch.advantages[rows])
@@ -176,5 +183,6 @@ class RLLoop:
             if any(o.ok for o in r.engines.values()):
                 self.version = step
                 self.snapshots[step] = self._snapshot()
+                self._fresh = True
         for v in [v for v in self.snapshots if v < self.version - self.max_staleness]:
             del self.snapshots[v]
