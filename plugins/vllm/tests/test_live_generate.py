@@ -116,7 +116,7 @@ def test_invalid_requests_say_what_was_wrong(served: Served) -> None:
         served.adapter.score([5])
 
 
-def test_samples_carry_the_pushed_version(served: Served, tmp_path: Path) -> None:
+def test_samples_carry_the_pushed_version_and_the_probe_passes(served: Served, tmp_path: Path) -> None:
     model = copy.deepcopy(served.model)
     with torch.no_grad():
         for p in model.parameters():
@@ -124,7 +124,10 @@ def test_samples_carry_the_pushed_version(served: Served, tmp_path: Path) -> Non
     cfg = {"adapter": "vllm", "engines": [served.spec], "transport": "http",
            "sync": {"progress": "off"}, "exporter": {"kind": "torch", "options": {"bucket_bytes": "1MiB"}}}
     with WeightSync.from_config(cfg) as sync:
-        assert sync.push(model, version=3).verified
+        report = sync.push(model, version=3)
+    assert report.verified
+    (o,) = report.engines.values()           # the probe after commit ran on vLLM and passed
+    assert o.probe is not None and o.probe["version"] == 3 and o.probe["max"] < 1e-3, o
     assert served.adapter.weight_version() == 3
     trained = Served(model, served.spec)
     (s,) = served.adapter.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=8),

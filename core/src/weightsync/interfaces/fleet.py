@@ -1,0 +1,66 @@
+"""Where the members of a push come from (Fleet), and how a joining member fetches a current
+member's weights (PeerSource)."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from .base import Component
+
+if TYPE_CHECKING:
+    from ..config import EngineSpec
+
+
+@dataclass
+class Member:
+    """One engine a fleet says a push must reach: a name, and the adapter spec built from its
+    registration (or its config entry)."""
+
+    name: str
+    spec: "EngineSpec"                          # url, api_key, adapter kind and options
+    version: int | None = None                  # last version the fleet heard of (None: unknown)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Fleet(Component):
+    """Where the members of a sync come from: a static list, a registry members join at run
+    time, Ray, a third party's Kubernetes. The pipeline asks it for the live members at the
+    start of every push and tells it what the push did; nothing more."""
+
+    takes_engines: ClassVar[bool] = False
+    """True when the fleet is (or starts from) the config's `engines:` list."""
+
+    def open(self, components: Any, default_adapter: Any) -> None:
+        """Start whatever the fleet runs (a registry service); `default_adapter` is the config's
+        adapter reference for members that name none."""
+
+    @abc.abstractmethod
+    def members(self) -> list[Member]:
+        """The members a push starting now must reach."""
+
+    def excluded(self) -> dict[str, str]:
+        """Known members that are not in `members()` right now, and why."""
+        return {}
+
+    def synced(self, version: int, versions: Mapping[str, int | None]) -> None:
+        """A push of `version` ended; `versions` is what each member holds now."""
+
+    def close(self) -> None:
+        """Stop what `open` started."""
+
+
+class PeerSource(Component):
+    """How a joining member fetches a current member's weights: a JSON manifest (version,
+    buckets with their tensors and digests) and one payload per bucket. HTTP is built in; a
+    plugin can carry the bytes another way (RDMA) by registering its own source under another
+    name, which peers then advertise."""
+
+    @abc.abstractmethod
+    def manifest(self, peer: Mapping[str, Any]) -> dict[str, Any]:
+        """The peer's manifest. `peer` is what the registry handed out: url, token, source."""
+
+    @abc.abstractmethod
+    def bucket(self, peer: Mapping[str, Any], index: int) -> tuple[dict[str, Any], memoryview]:
+        """One payload: its header (index, last, encoding, digest, tensors, nbytes, version) and body."""

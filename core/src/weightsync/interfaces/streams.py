@@ -1,0 +1,127 @@
+"""The components that make and carry payloads: Exporter (model -> Buckets), Encoding (Bucket ->
+payload and back) and Transport (payloads to every receiver), with its receiving half."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Sequence
+
+import torch
+from pydantic import BaseModel
+
+from ..bucket import Bucket
+from .base import Alloc, Bounded, Component, NameMap, Payload
+
+if TYPE_CHECKING:
+    from .adapter import Adapter
+
+
+class Exporter(Component):
+    """Turns a model into a stream of Buckets under Hugging Face names."""
+
+    @abc.abstractmethod
+    def buckets(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]: ...
+
+
+class Encoding(Component):
+    """Turns a Bucket into a Payload and back. Stateful encodings (delta) hear whether a sync
+    landed through begin/commit/rollback."""
+
+    lossless: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def encode(self, bucket: Bucket, alloc: Alloc | None = None) -> Payload:
+        """`alloc(nbytes)`, when given, returns the buffer to write the body into."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Payload,
+               current: Callable[[str], torch.Tensor | None]) -> list[tuple[str, torch.Tensor]]:
+        """Rebuild the target tensors; `current(name)` gives the engine's live tensor (delta base)."""
+
+    def begin(self, version: int) -> None:
+        """A sync to `version` starts."""
+
+    def commit(self, version: int) -> None:
+        """The sync to `version` landed on every engine."""
+
+    def rollback(self) -> None:
+        """The sync failed; forget anything staged for it."""
+
+    def receiving(self, engine_version: int) -> None:
+        """Receiver side, before any decode: the version the engine holds now, so an encoding
+        whose payloads are made against a base version (delta) can refuse any other base."""
+
+    def base(self) -> int | None:
+        """Sender side, after begin(): the version an engine must hold to apply this sync's
+        payloads (a delta's base), or None when they apply to any version. Engines at another
+        version are caught up with whole tensors in the same push."""
+        return None
+
+
+Render = Callable[[dict[str, Any], torch.Tensor], tuple[list[Any], str]]
+
+
+@dataclass
+class Endpoint:
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout: float = 60.0
+    render: Render | None = None
+    """Builds (body parts, content type) from the payload header and body, for an engine route
+    that takes another body than weightsync's frame (vLLM's JSON /update_weights); None: the frame."""
+
+
+class TransportReceiver(abc.ABC):
+    """The receiving half of a transport, built inside the engine process from `describe()`."""
+
+    def __init__(self, options: BaseModel) -> None:
+        self.options = options
+
+    def join(self, info: Mapping[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not join groups")
+
+    @abc.abstractmethod
+    def receive(self, header: Mapping[str, Any], body: memoryview | None) -> torch.Tensor:
+        """Return the payload body (uint8) for `header`; `body` is set when it came in-band."""
+
+    def release(self, header: Mapping[str, Any]) -> None:
+        """The engine is done with the body of `header` (the sender may reuse its buffer)."""
+
+    def close(self) -> None:
+        """Release every resource (segments, groups)."""
+
+
+class Transport(Bounded, Component):
+    """Carries payloads from the sender to every engine. `requires` names the adapter capability
+    it uses to reach the engine: "http" (payload POSTed to an endpoint the adapter gives),
+    "announce" (bytes placed out of band, the adapter announces them), "group" (a collective
+    group the adapter asks the engine to join)."""
+
+    requires: ClassVar[str] = "http"
+    same_host: ClassVar[bool] = False
+    publish_only: ClassVar[bool] = False
+    """True for transports that publish for receivers to pull (disk_delta): the pipeline then
+    pauses no engine and verifies nothing itself; the pullers check every digest."""
+    receiver: ClassVar[type[TransportReceiver] | None] = None
+
+    def open(self, engines: Sequence["Adapter"], version: int) -> dict[str, BaseException]:
+        """Prepare for one sync (segments, group). Returns the engines that could not be reached."""
+        return {}
+
+    @abc.abstractmethod
+    def send(self, payload: Payload, engines: Sequence["Adapter"]) -> dict[str, BaseException]:
+        """Deliver `payload` to every engine; return the failures by engine name."""
+
+    def finish(self, engines: Sequence["Adapter"]) -> dict[str, BaseException]:
+        """Wait until every engine holds every payload."""
+        return {}
+
+    alloc: Alloc | None = None
+    """Set by transports that want payloads written into their own buffers (shared memory)."""
+
+    def discard(self, payload: Payload) -> None:
+        """`payload` will not be sent (its sync is being abandoned): release its buffer."""
+
+    def close(self) -> None:
+        """Release everything the transport holds (groups, segments); called at shutdown."""
