@@ -6,6 +6,7 @@ round, whatever it missed."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -47,6 +48,8 @@ class Subscriber:
                                       "adapter": {"kind": "reference"}},
                                      version=lambda: self.version)
         self.membership.start()
+        self._left = False
+        atexit.register(self.leave)          # a clean exit deregisters: no round waits for it
 
     def wait_for(self, after: int, timeout: float) -> int:
         """Until the trainer publishes a version newer than `after` (long poll, bounded by
@@ -117,5 +120,7 @@ class Subscriber:
             yield from named
 
     def leave(self) -> None:
-        """Deregister: the trainer stops waiting for this replica at once."""
-        self.membership.stop()
+        """Deregister: the trainer stops waiting for this replica at once (idempotent)."""
+        if not self._left:
+            self._left = True
+            self.membership.stop()
