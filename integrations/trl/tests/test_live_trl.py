@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import requests
 import torch
-from weightsync import ConfigError, PluginError
+from weightsync import ConfigError, PluginError, SyncError
 
 from weightsync_trl import WeightSyncTransfer, use_weightsync
 from weightsync_trl.readback import compare_served
@@ -48,6 +48,23 @@ def test_bad_config_is_refused_before_any_trainer_exists() -> None:
         WeightSyncTransfer({})
     with pytest.raises(ConfigError, match="failure_policy"):
         use_weightsync({"engines": [{"url": "http://127.0.0.1:1"}], "sync": {"failure_policy": "shrug"}})
+
+
+def test_no_engine_reached_raises_and_keeps_the_report() -> None:
+    """Every engine down: the push raises (TRL's step fails loudly, no silent hang) and the
+    report, naming the engine and the stage, is still kept."""
+    from weightsync_vllm.testing import free_port
+    port = free_port()
+    wt = WeightSyncTransfer({"engines": [{"url": f"http://127.0.0.1:{port}", "name": "gone"}],
+                             "sync": {"progress": "off", "deadline": 30}})
+    wt.init_weight_transfer()
+    try:
+        with pytest.raises(SyncError, match="gone"):
+            wt.send_weights(iter([("w", torch.zeros(4))]))
+        r = wt.last_report
+        assert r is not None and r.failed == ["gone"] and r.engines["gone"].stage == "health"
+    finally:
+        wt.destroy()
 
 
 def test_async_weight_transfer_over_a_registry_fleet(pair: Any) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from weightsync import SyncConfig, SyncReport, WeightSync
+from weightsync import SyncConfig, SyncError, SyncReport, WeightSync
 from weightsync.config import read_config_file
 
 log = logging.getLogger("weightsync.trl")
@@ -112,7 +112,13 @@ class SyncSession:
             if not tensors:
                 raise ValueError("no tensors to sync: TRL's iterator yielded nothing")
             sync = self.open()
-            report = sync.push(tensors, version=self.next_version())
+            try:
+                report = sync.push(tensors, version=self.next_version())
+            except SyncError as e:       # no engine took it: keep its report, then raise
+                if isinstance(e.report, SyncReport):
+                    self.reports.append(e.report)
+                    self._log(e.report)
+                raise
             self.reports.append(report)
             failed = report.failed
             if failed:
