@@ -77,12 +77,13 @@ test: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
 
 test-integrations: test-trl test-verl
 
-# two live vLLM servers shared by every TRL test (~3 min on 2 cores, mostly their start)
+# two live vLLM servers shared by every TRL test (about 2 min on 2 cores, mostly their start).
+# Exit status 5 (PYTEST_ARGS="-k ..." selected none of these tests) is not a failure.
 test-trl: trl-env
-	$(BIN)/python -m pytest integrations/trl/tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest integrations/trl/tests $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-verl: verl-env
-	$(VERL_BIN)/python -m pytest integrations/verl/tests $(PYTEST_ARGS)
+	$(VERL_BIN)/python -m pytest integrations/verl/tests $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-core: venv
 	$(BIN)/python -m pytest core/tests $(PYTEST_ARGS)
