@@ -50,6 +50,20 @@ def test_bad_config_is_refused_before_any_trainer_exists() -> None:
         use_weightsync({"engines": [{"url": "http://127.0.0.1:1"}], "sync": {"failure_policy": "shrug"}})
 
 
+def test_use_weightsync_swaps_trl_seams_and_undo_restores_them() -> None:
+    import trl.generation.vllm_generation as gen
+    from trl import GRPOTrainer, RLOOTrainer
+    before = (gen.VLLMClient, GRPOTrainer.__init__, RLOOTrainer.__init__)
+    installed = use_weightsync({"engines": [{"url": "http://127.0.0.1:1"}]})
+    try:
+        assert gen.VLLMClient is installed.client_cls
+        assert issubclass(gen.VLLMClient, before[0])          # still TRL's client for generation
+        assert GRPOTrainer.__init__ is not before[1] and RLOOTrainer.__init__ is not before[2]
+    finally:
+        installed.undo()
+    assert (gen.VLLMClient, GRPOTrainer.__init__, RLOOTrainer.__init__) == before
+
+
 def test_no_engine_reached_raises_and_keeps_the_report() -> None:
     """Every engine down: the push raises (TRL's step fails loudly, no silent hang) and the
     report, naming the engine and the stage, is still kept."""

@@ -76,7 +76,9 @@ def use_weightsync(config: ConfigSource = None) -> Installed:
             trainer_cls = getattr(importlib.import_module(modname), clsname)
         except (ImportError, AttributeError):
             continue
-        init = trainer_cls.__dict__["__init__"]
+        init = trainer_cls.__dict__.get("__init__")
+        if init is None:                 # inherits its __init__: bound through its base
+            continue
         done._restore.append((trainer_cls, "__init__", init))
         trainer_cls.__init__ = _binding(init)
     log.info("weightsync: TRL's vLLM server-mode sync now pushes through weightsync")
