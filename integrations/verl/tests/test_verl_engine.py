@@ -150,3 +150,36 @@ def test_unknown_option_is_refused() -> None:
         CheckpointEngineRegistry.new("weightsync", bucket_size=BUCKET, colour="red")
     with pytest.raises(ValueError, match="not a torch dtype"):
         CheckpointEngineRegistry.new("weightsync", bucket_size=BUCKET, dtype="bfloat17")
+
+
+def test_dtype_option_casts_floating_tensors_for_the_rollout() -> None:
+    """`engine_kwargs.weightsync.dtype: bfloat16`: floating tensors reach the replica cast (as
+    verl's NCCL engine casts to its rollout dtype), integer tensors as they were."""
+    import asyncio
+    import threading
+    from verl.utils.import_utils import import_external_libs
+    import_external_libs("weightsync_verl")
+    master = CheckpointEngineRegistry.new("weightsync", bucket_size=BUCKET, is_master=True,
+                                          dtype="bfloat16", lease=5.0, deadline=60.0)
+    replica = CheckpointEngineRegistry.new("weightsync", bucket_size=BUCKET, lease=5.0, deadline=60.0)
+    try:
+        meta = [master.prepare(), replica.prepare()]
+        actor_kw, rollout_kw = type(master).build_topology(1, 1, meta)
+        master.init_process_group(**{k: v[0] for k, v in actor_kw.items()})
+        replica.init_process_group(**{k: v[0] for k, v in rollout_kw.items()})
+        got: dict[str, torch.Tensor] = {}
+
+        async def take() -> None:
+            async for n, t in replica.receive_weights(global_steps=3):
+                got[n] = t.clone()
+        t = threading.Thread(target=lambda: asyncio.run(take()))
+        t.start()
+        metrics = asyncio.run(master.send_weights(iter(weights(3).items()), global_steps=3))
+        t.join(60)
+        assert metrics["weightsync/version"] == 3 and metrics["weightsync/replicas_ok"] == 1
+        for n, w in weights(3).items():
+            want = w.to(torch.bfloat16) if w.is_floating_point() else w
+            assert got[n].dtype == want.dtype and torch.equal(got[n], want), n
+    finally:
+        replica.close()
+        master.close()
