@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
@@ -42,3 +42,10 @@ def register_fleets(register: Callable[[type[Fleet]], None]) -> None:
 @hookspec
 def register_peer_sources(register: Callable[[type[PeerSource]], None]) -> None:
     """Register peer sources: how a joining member fetches a current member's bytes (HTTP, RDMA)."""
+
+
+@hookspec
+def register_bench_rows(register: Callable[[Callable[[Any, dict[str, Any]], None]], None]) -> None:
+    """Register extra rows for `weightsync bench`: each callable gets the running
+    `weightsync.bench.Bench` and its LLM-shaped model, and appends its `Row`s to `bench.rows`
+    (and any conclusions to `bench.extra_targets`), so a plugin measures itself next to core."""
