@@ -95,12 +95,13 @@ class Bench(Baselines, TransportRows):
         return name in comps.encodings or name in comps.transports
 
     @staticmethod
-    def plugin_rows() -> list[Callable[[Bench, dict[str, torch.Tensor]], None]]:
-        """The rows plugins add through `register_bench_rows`, each a callable that appends its
-        Rows (and targets, in `extra_targets`) to the running Bench."""
-        from ..plugins import make_plugin_manager
+    def plugin_rows(pm: Any = None) -> list[Callable[[Bench, dict[str, torch.Tensor]], None]]:
+        """The rows plugins add through `register_bench_rows` (of `pm`, default: the installed
+        plugins), each a callable that appends its Rows (and targets, in `extra_targets`) to the
+        running Bench."""
+        from ..pluginmanager import make_plugin_manager
         found: list[Callable[[Bench, dict[str, torch.Tensor]], None]] = []
-        make_plugin_manager().hook.register_bench_rows(register=found.append)
+        (pm or make_plugin_manager()).hook.register_bench_rows(register=found.append)
         return found
 
     def moe(self) -> dict[str, torch.Tensor] | None:
