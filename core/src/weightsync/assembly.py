@@ -76,7 +76,7 @@ def resolve(config: SyncConfig, components: Any) -> ResolvedConfig:
 
 
 def check_fleet_engines(fleet: Any, config: SyncConfig) -> None:
-    if config.engines and not getattr(fleet, "takes_engines", False):
+    if config.engines and not fleet.takes_engines:
         raise ConfigError(f"`engines` lists a static fleet, but `fleet` is {fleet.name!r}, whose "
                           f"members register themselves; drop the `engines` list (or use the "
                           f"static fleet)")

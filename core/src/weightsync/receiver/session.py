@@ -41,8 +41,7 @@ class ReceiveSession:
 
     def _buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Where `t` is staged: the store's reusable buffer when it offers one, else new memory."""
-        take = getattr(self.store, "staging_buffer", None)
-        buf = take(name, t) if take is not None else None
+        buf = self.store.staging_buffer(name, t)
         return torch.empty_like(t, memory_format=torch.contiguous_format) if buf is None else buf
 
     def _stage_all(self, named: list[tuple[str, torch.Tensor]], algo: str,
@@ -114,7 +113,7 @@ class ReceiveSession:
         """Whether `apply_stream` can read this payload's body straight into staging: a body
         carried in the request (http), an encoding whose wire form is the target tensors in
         safetensors layout (raw, cast), xxh3 digests, and CPU tensors in the store."""
-        if not (getattr(self.rx, "in_band", False) and getattr(self.encoding, "streams", False)):
+        if not (self.rx.in_band and self.encoding.streams):
             return False
         if digest_algo(str(header.get("digest", ""))) != "xxh3":
             return False
@@ -168,9 +167,8 @@ class ReceiveSession:
         return got
 
     def _buffer_for(self, name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        take = getattr(self.store, "staging_buffer", None)
         like = torch.empty(shape, dtype=dtype, device="meta")
-        buf = take(name, like) if take is not None else None
+        buf = self.store.staging_buffer(name, like)
         if buf is None or buf.device.type != "cpu" or not buf.is_contiguous():
             buf = torch.empty(shape, dtype=dtype)
         return buf

@@ -199,12 +199,10 @@ def stage_from(rx: TransportReceiver, header: Mapping[str, Any], named: list[tup
     read where the body is the receiver's own memory (`rx.private`) or the receiver vouches for
     it (`rx.hash_source(header)`, then `rx.unchanged(header)` after the copy), else hashed from
     the copies."""
-    vouch = getattr(rx, "hash_source", None)
-    private = bool(vouch(header)) if vouch is not None else bool(getattr(rx, "private", False))
+    vouch = rx.hash_source(header)
+    private = bool(vouch) if vouch is not None else bool(rx.private)
     out = stage_digest(named, buffer, algo, private)
-    unchanged = getattr(rx, "unchanged", None)
-    if unchanged is not None:
-        unchanged(header)
+    rx.unchanged(header)
     return out
 
 

@@ -23,6 +23,11 @@ class WeightStore(Protocol):
 
     def load(self, named: Mapping[str, torch.Tensor]) -> None: ...
 
+    def staging_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """A buffer the store keeps to stage `name` in, reused from round to round (warm
+        memory); None: not offered, the session stages into new memory."""
+        ...
+
 
 class ModuleStore:
     """A torch module's state dict (tied aliases included) as a WeightStore."""
@@ -37,6 +42,10 @@ class ModuleStore:
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def staging_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """None: a live module's tensors are shared with its users, so staging is new memory."""
+        return None
 
     @torch.no_grad()
     def load(self, named: Mapping[str, torch.Tensor]) -> None:
