@@ -223,3 +223,14 @@ def test_transport_config_snippets_resolve(everything) -> None:
             continue   # a plugin of this snippet is not installed here
         resolved = resolve(SyncConfig.load(data), everything)
         assert resolved.transport_cls.name == data["transport"]["kind"]
+
+
+def test_readme_layout_names_every_part_of_core() -> None:
+    """README's layout block names every module and subpackage of core (it drifted once)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    src = ROOT / "core/src/weightsync"
+    parts = sorted(p.name + ("/" if p.is_dir() else "") for p in src.iterdir()
+                   if p.name not in ("__init__.py", "__main__.py", "py.typed", "__pycache__"))
+    missing = [p for p in parts if not re.search(rf"(^|[\s,(]){re.escape(p.rstrip('/'))}\b", block)]
+    assert not missing, f"README's layout block does not mention {missing}"

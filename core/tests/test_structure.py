@@ -174,3 +174,17 @@ def test_no_source_module_over_400_lines() -> None:
     assert not over, f"modules over {MAX_LINES} lines (split them by job): {over}"
     done = {p for p in OVER_LIMIT_FOR_NOW if sizes.get(p, 0) <= MAX_LINES}
     assert not done, f"these are {MAX_LINES} lines or fewer now: remove them from OVER_LIMIT_FOR_NOW: {done}"
+
+
+def test_parallel_groups_name_real_test_files() -> None:
+    """conftest.py's xdist groups (what must not overlap under `make test`) name paths that
+    exist, so a renamed test module cannot silently leave its group."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    missing = [p for paths in conf.GROUPS.values() for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"conftest.py GROUPS names paths that do not exist: {missing}"
+    assert conf.group_of(ROOT / "core/tests/on_ray/test_ray_cluster.py") == "serial"
+    assert conf.group_of(ROOT / "core/tests/test_wire.py") is None
