@@ -236,7 +236,7 @@ def test_readme_layout_names_every_part_of_core() -> None:
     assert not missing, f"README's layout block does not mention {missing}"
 
 
-def _table(text: str, head: str) -> list[list[str]]:
+def _readme_table(text: str, head: str) -> list[list[str]]:
     """The rows (cells stripped) of the markdown table whose header line starts with `head`."""
     lines = text[text.index(head):].splitlines()
     rows = []
@@ -260,7 +260,7 @@ def test_readme_extras_table_matches_the_pyprojects() -> None:
     extras = {d: tomllib.loads((ROOT / p / "pyproject.toml").read_text())["project"]
               .get("optional-dependencies", {}) for d, p in DIST_DIRS.items()}
     listed: set[tuple[str, str]] = set()
-    for extra_cell, adds, _ in _table((ROOT / "README.md").read_text(), "| extra | adds |"):
+    for extra_cell, adds, _ in _readme_table((ROOT / "README.md").read_text(), "| extra | adds |"):
         if extra_cell == "none":
             continue
         for dist, extra in re.findall(r"`([\w-]+)\[(\w+)\]`", extra_cell):
@@ -286,6 +286,6 @@ def test_readme_components_table_is_what_is_registered() -> None:
             registered.add((kind.replace("_", " "), name,
                             "core" if top == "weightsync" else top.removeprefix("weightsync_")))
     rows = {(kind, name.strip("`"), package.split()[0])
-            for kind, name, package, _ in _table((ROOT / "README.md").read_text(), "| kind | name |")}
+            for kind, name, package, _ in _readme_table((ROOT / "README.md").read_text(), "| kind | name |")}
     assert rows == registered, (f"in README, not registered: {sorted(rows - registered)}; "
                                 f"registered, not in README: {sorted(registered - rows)}")
