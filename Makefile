@@ -8,6 +8,13 @@ ENGINE  ?= reference
 STEPS   ?= 40
 ARGS    ?=
 PYTEST_ARGS ?=
+# the suite runs on JOBS pytest-xdist workers (JOBS=1: one process); conftest.py keeps the tests
+# that must not overlap (Ray clusters, live vLLM servers, lease and kill timings) on one worker
+JOBS    ?= 2
+XDIST   := $(if $(filter 0 1,$(JOBS)),,-n $(JOBS) --dist loadgroup)
+# pytest exits 5 when it collected no test (a marker or path that matches nothing): not a failure
+# for a narrowed run; `make test` without PYTEST_ARGS must collect tests (CI's run)
+NO5     := || [ $$? -eq 5 ]
 STAMP   := $(VENV)/.installed
 
 # LMDeploy's own code, for the lmdeploy plugin's tests only (never a plugin dependency): installed
@@ -73,7 +80,7 @@ demo: venv $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 
 # the main run (testpaths: core, plugins, tests), then each integration in its own environment
 test: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) $(if $(PYTEST_ARGS),$(NO5))
 	$(MAKE) test-integrations
 
 test-integrations: test-trl test-verl
@@ -81,19 +88,19 @@ test-integrations: test-trl test-verl
 # two live vLLM servers shared by every TRL test (about 2 min on 2 cores, mostly their start).
 # Exit status 5 (PYTEST_ARGS="-k ..." selected none of these tests) is not a failure.
 test-trl: trl-env
-	$(BIN)/python -m pytest integrations/trl/tests $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest integrations/trl/tests $(PYTEST_ARGS) $(NO5)
 
 test-verl: verl-env
-	$(VERL_BIN)/python -m pytest integrations/verl/tests $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VERL_BIN)/python -m pytest integrations/verl/tests $(PYTEST_ARGS) $(NO5)
 
 test-core: venv
-	$(BIN)/python -m pytest core/tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) core/tests $(PYTEST_ARGS) $(NO5)
 
 test-plugins: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
-	$(BIN)/python -m pytest plugins $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) plugins $(PYTEST_ARGS) $(NO5)
 
 test-e2e: venv
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) tests $(PYTEST_ARGS) $(NO5)
 
 # Every GPU-marked test of every suite (CI has no GPU; run this on a machine with one). A machine
 # with torch and the dependencies already installed and no network: `make test-gpu GPU_PY=python3`
@@ -101,7 +108,7 @@ test-e2e: venv
 GPU_PY ?= $(BIN)/python
 GPU_NAME ?= h100
 test-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
-	$(GPU_PY) -m pytest -m gpu core/tests plugins tests $(PYTEST_ARGS)
+	$(GPU_PY) -m pytest -m gpu core/tests plugins tests $(PYTEST_ARGS) $(NO5)
 
 bench-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
 	$(GPU_PY) -m weightsync bench --device cuda --size 4GiB --receivers 2 --bucket 512MiB --repeat 3 \

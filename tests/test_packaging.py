@@ -38,8 +38,6 @@ UNDECLARED_OK = {
     "weightsync-core": {
         "triton": "ships with CUDA builds of torch; weightsync.mlh uses torch ops without it",
         "peft": "the LoRA exporter imports it only for a model that is already a PEFT model",
-        "weightsync_disk_delta": "`weightsync bench` adds disk_delta rows only when that plugin "
-                                 "is installed (a plugin of core: never a core dependency)",
     },
     "weightsync-vllm": {
         "vllm": "the engine: imported only inside vLLM's own processes (backend, vllm_plugin)",

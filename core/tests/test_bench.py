@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from weightsync.bench import PeakRss, run_bench, table
-from weightsync.bench_model import model_bytes, plan_shapes, small_tensors_model, synthetic_model
+from weightsync.bench.model import model_bytes, plan_shapes, small_tensors_model, synthetic_model
 
 ROWS = ["memcpy floor", "shm floor (3 copies)", "memcpy (1 core)", "xxh3 + copy, one pass (1 core)",
         "xxh3 pass over memory (1 core)", "http floor (raw TCP)", "safetensors save+load (naive)",
@@ -113,7 +113,7 @@ def test_perturbed_changes_about_the_density_asked(tmp_path: Path) -> None:
 
 def test_verify_off_instrument_copies_without_hashing_and_restores() -> None:
     from weightsync import hashing
-    from weightsync.bench_workers import UNHASHED, unhashed
+    from weightsync.bench.workers import UNHASHED, unhashed
     src = torch.arange(1000, dtype=torch.int32)
     dst = torch.zeros_like(src)
     real = hashing.copy_digest
@@ -127,7 +127,7 @@ def test_gpu_targets_read_as_verdicts_and_table_lines() -> None:
     """The GPU rows' targets carry a direction and a verdict like every other target (a GPU run
     once crashed in `verdicts` on a target without one)."""
     from weightsync.bench import Row, verdicts
-    from weightsync.bench_gpu import gpu_targets
+    from weightsync.bench.gpu import gpu_targets
 
     def row(name: str, s: float, peak: int = 0) -> Row:
         return Row(name, "transport", 1 << 30, 2, s, [s], peak)

@@ -211,7 +211,8 @@ def test_transport_options_tables_match_options_models(everything, transport: st
 
 
 def test_transport_config_snippets_resolve(everything) -> None:
-    from weightsync.config import SyncConfig, resolve
+    from weightsync.assembly import resolve
+    from weightsync.config import SyncConfig
     import yaml
     blocks = re.findall(r"<!-- check-config -->\n```yaml\n(.*?)```", TRANSPORTS.read_text(), re.S)
     assert len(blocks) == 4
@@ -222,3 +223,69 @@ def test_transport_config_snippets_resolve(everything) -> None:
             continue   # a plugin of this snippet is not installed here
         resolved = resolve(SyncConfig.load(data), everything)
         assert resolved.transport_cls.name == data["transport"]["kind"]
+
+
+def test_readme_layout_names_every_part_of_core() -> None:
+    """README's layout block names every module and subpackage of core (it drifted once)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    src = ROOT / "core/src/weightsync"
+    parts = sorted(p.name + ("/" if p.is_dir() else "") for p in src.iterdir()
+                   if p.name not in ("__init__.py", "__main__.py", "py.typed", "__pycache__"))
+    missing = [p for p in parts if not re.search(rf"(^|[\s,(]){re.escape(p.rstrip('/'))}\b", block)]
+    assert not missing, f"README's layout block does not mention {missing}"
+
+
+def _readme_table(text: str, head: str) -> list[list[str]]:
+    """The rows (cells stripped) of the markdown table whose header line starts with `head`."""
+    lines = text[text.index(head):].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+DIST_DIRS = {"weightsync-core": "core", "weightsync-disk-delta": "plugins/disk_delta",
+             "weightsync-sglang": "plugins/sglang", "weightsync-vllm": "plugins/vllm",
+             "weightsync-lmdeploy": "plugins/lmdeploy"}
+
+
+def test_readme_extras_table_matches_the_pyprojects() -> None:
+    """Every extra README names exists and adds what the row says; every core extra is listed."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    extras = {d: tomllib.loads((ROOT / p / "pyproject.toml").read_text())["project"]
+              .get("optional-dependencies", {}) for d, p in DIST_DIRS.items()}
+    listed: set[tuple[str, str]] = set()
+    for extra_cell, adds, _ in _readme_table((ROOT / "README.md").read_text(), "| extra | adds |"):
+        if extra_cell == "none":
+            continue
+        for dist, extra in re.findall(r"`([\w-]+)\[(\w+)\]`", extra_cell):
+            assert extra in extras[dist], f"README lists {dist}[{extra}], which does not exist"
+            names = {Requirement(r).name.lower() for r in extras[dist][extra]}
+            said = {a.strip().lower() for a in adds.split(",") if a.strip()}
+            assert said <= names, f"README says {dist}[{extra}] adds {said}; it adds {names}"
+            listed.add((dist, extra))
+    core = {("weightsync-core", e) for e in extras["weightsync-core"]}
+    assert core <= listed, f"core extras missing from README's table: {sorted(core - listed)}"
+
+
+def test_readme_components_table_is_what_is_registered() -> None:
+    """README's component table lists exactly the components core and the plugins register,
+    each under the package that registers it."""
+    from weightsync.plugins import load_components
+    components = load_components()
+    assert not components.failed, components.failed
+    registered = set()
+    for kind in ("exporter", "encoding", "transport", "adapter", "fleet", "peer_source"):
+        for name, cls in components.registry(kind).items():
+            top = cls.__module__.split(".")[0]
+            registered.add((kind.replace("_", " "), name,
+                            "core" if top == "weightsync" else top.removeprefix("weightsync_")))
+    rows = {(kind, name.strip("`"), package.split()[0])
+            for kind, name, package, _ in _readme_table((ROOT / "README.md").read_text(), "| kind | name |")}
+    assert rows == registered, (f"in README, not registered: {sorted(rows - registered)}; "
+                                f"registered, not in README: {sorted(registered - rows)}")

@@ -21,7 +21,8 @@ import pytest
 
 from weightsync import hookspecs
 from weightsync.adapters.reference import ReferenceAdapter
-from weightsync.config import SyncConfig, resolve
+from weightsync.assembly import resolve
+from weightsync.config import SyncConfig
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import ConfigError, PluginError
 from weightsync.exporters.torch import TorchExporter
@@ -62,10 +63,11 @@ def _clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-def test_the_six_registration_hooks_exist() -> None:
+def test_the_registration_and_tool_hooks_exist() -> None:
     assert hook_specs() == {"register_adapters": ["register"], "register_encodings": ["register"],
                             "register_exporters": ["register"], "register_transports": ["register"],
-                            "register_fleets": ["register"], "register_peer_sources": ["register"]}
+                            "register_fleets": ["register"], "register_peer_sources": ["register"],
+                            "register_commands": ["subparsers"], "register_bench_rows": ["register"]}
     assert HOOKS == sorted(h for h in dir(make_plugin_manager(load_entrypoints=False).hook)
                            if not h.startswith("_"))
 
@@ -81,7 +83,8 @@ def test_hook_is_documented(hook: str) -> None:
     for arg in hook_specs()[hook]:
         assert arg in documented, f"'## {heading}' does not mention argument {arg!r}"
         assert f"`{arg}" in sections[heading], f"the {hook} section never explains {arg!r}"
-    assert f"def {hook}(self, register)" in sections[heading], f"the {hook} section has no example"
+    example = f"def {hook}(self, {', '.join(hook_specs()[hook])})"
+    assert example in sections[heading], f"the {hook} section has no example"
 
 
 @pytest.mark.parametrize("hook", HOOKS)
@@ -234,6 +237,92 @@ def test_hook_register_peer_sources() -> None:
     assert components.peer_sources.get("http") is HttpPeerSource
     row = next(r for r in describe_plugins(components) if r["name"] == "other-source-plugin")
     assert row["hooks"] == ["register_peer_sources"]
+
+
+CMD_PLUGIN = """\
+from weightsync import hookimpl
+
+
+def hello(args):
+    print(f"hello, {args.name}")
+    return 0
+
+
+@hookimpl
+def register_commands(subparsers):
+    sp = subparsers.add_parser("hello", help="say hello")
+    sp.add_argument("--name", default="world", help="who to greet")
+    sp.set_defaults(fn=hello)
+"""
+
+BAD_CMD_PLUGIN = """\
+from weightsync import hookimpl
+
+
+@hookimpl
+def register_commands(subparsers):
+    subparsers.add_parser("check", help="takes a name core has")
+"""
+
+
+def test_hook_register_commands(tmp_path: Path) -> None:
+    """An installed plugin's subcommand runs as `weightsync <name>`; a plugin whose hook fails
+    (here: it takes a built-in name) is a warning and the other commands still work."""
+    site = tmp_path / "site"
+    for ep, package, plugin in (("meta_cmd", "ws_meta_cmd", CMD_PLUGIN),
+                                ("meta_badcmd", "ws_meta_badcmd", BAD_CMD_PLUGIN)):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text("")
+        (site / package / "plugin.py").write_text(plugin)
+        info = site / f"weightsync_{ep}-0.1.0.dist-info"
+        info.mkdir()
+        dist = "weightsync-" + ep.replace("_", "-")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+        (info / "entry_points.txt").write_text(f"[weightsync]\n{ep} = {package}.plugin\n")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")])),
+               WEIGHTSYNC_PLUGINS="meta_cmd,meta_badcmd", PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([sys.executable, "-m", "weightsync", "hello", "--name", "trainer"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "hello, trainer\n"
+    assert "weightsync plugin 'meta_badcmd' failed in register_commands" in r.stderr
+    assert "conflicting subparser: check" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "weightsync", "--help"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "say hello" in r.stdout and "validate a sync config" in r.stdout
+
+
+def test_hook_register_bench_rows() -> None:
+    """A plugin's bench rows are found through the hook and land in the run's rows and targets."""
+    import argparse
+    import tempfile
+
+    import torch
+
+    from weightsync.bench import Bench, Row, cpu_targets, timed
+
+    def copy_row(bench: Bench, model: dict[str, torch.Tensor]) -> None:
+        n = sum(t.numel() * t.element_size() for t in model.values())
+        row = timed("copy (plugin)", "reference", n, 1, lambda: {k: t.clone() for k, t in model.items()},
+                    bench.repeat, log=bench.log)
+        bench.rows.append(row)
+        bench.extra_targets["copy_plugin"] = {"value": row.bytes, "target": None, "met": None}
+
+    class Plugin:
+        @hookimpl
+        def register_bench_rows(self, register):
+            register(copy_row)
+
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(Plugin(), name="copy-row-plugin")
+    assert Bench.plugin_rows(pm) == [copy_row]
+    bench = Bench(argparse.Namespace(size="1MiB", receivers=1, bucket="1MiB", repeat=2,
+                                     workdir=tempfile.gettempdir()), log=lambda line: None)
+    for fn in Bench.plugin_rows(pm):
+        fn(bench, {"w": torch.ones(512, 512, dtype=torch.bfloat16)})
+    assert [type(r) for r in bench.rows] == [Row] and len(bench.rows[0].runs) == 2
+    assert cpu_targets(bench, {r.name: r for r in bench.rows})["copy_plugin"]["value"] == 512 * 512 * 2
 
 
 # -- what `register` refuses ------------------------------------------------------------------

@@ -150,8 +150,14 @@ def test_connections_are_capped(served) -> None:  # noqa: ANN001
         s = socket.create_connection((host, int(port)))
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # headers unfinished: the slot is held
         hold.append(s)
-    time.sleep(0.2)
-    a = _raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    # the server counts a connection once it has accepted it: poll (bounded) until the six are
+    # held, instead of guessing how long that takes on a loaded machine
+    deadline = time.monotonic() + 10
+    while True:
+        a = _raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        if a.startswith(b"HTTP/1.1 503") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert a.startswith(b"HTTP/1.1 503") and b"too many connections" in a
     for s in hold:
         s.close()

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync import receiver as rxmod
+from weightsync.receiver import staging as rxmod
 from weightsync.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .config import (SyncConfig, build_options, check_fleet_engines, check_pause_mode, plan_engine,
-                     read_config_file)
+from .assembly import check_fleet_engines, check_pause_mode, plan_engine
+from .config import SyncConfig, build_options, read_config_file
 from .errors import WeightSyncError
 
 

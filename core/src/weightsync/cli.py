@@ -262,11 +262,31 @@ def parser() -> argparse.ArgumentParser:
     _key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")
     sp.add_argument("--json", action="store_true", help="print JSON (what GET /fleet answers)")
     sp.set_defaults(fn=_fleet_ls)
+    _plugin_commands(sub)
     return p
 
 
 class UserError(Exception):
     """A mistake in what the user asked for: printed as one line, exit status 2."""
+
+
+def _plugin_commands(sub: argparse._SubParsersAction) -> None:
+    """Subcommands from plugins (`register_commands`). A plugin whose hook fails, or that takes a
+    name already taken, is skipped with a warning: the other commands still work."""
+    import logging
+
+    from .pluginmanager import make_plugin_manager
+    log = logging.getLogger("weightsync.plugins")
+    try:
+        pm = make_plugin_manager()
+    except Exception as e:  # noqa: BLE001 - the built-in commands must still run
+        log.warning("weightsync: plugins were not loaded for their commands: %r", e)
+        return
+    for impl in reversed(pm.hook.register_commands.get_hookimpls()):
+        try:
+            impl.function(subparsers=sub)
+        except Exception as e:  # noqa: BLE001 - one plugin must not take the command down
+            log.warning("weightsync plugin %r failed in register_commands: %r", impl.plugin_name, e)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

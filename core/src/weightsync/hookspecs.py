@@ -1,8 +1,10 @@
-"""The registration hooks. Hooks are for assembly only; nothing here runs per bucket."""
+"""The hooks: six that register components (assembly only; nothing here runs per bucket), and
+two for tools: subcommands of the `weightsync` command and rows of `weightsync bench`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import argparse
+from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
@@ -42,3 +44,17 @@ def register_fleets(register: Callable[[type[Fleet]], None]) -> None:
 @hookspec
 def register_peer_sources(register: Callable[[type[PeerSource]], None]) -> None:
     """Register peer sources: how a joining member fetches a current member's bytes (HTTP, RDMA)."""
+
+
+@hookspec
+def register_bench_rows(register: Callable[[Callable[[Any, dict[str, Any]], None]], None]) -> None:
+    """Register extra rows for `weightsync bench`: each callable gets the running
+    `weightsync.bench.Bench` and its LLM-shaped model, and appends its `Row`s to `bench.rows`
+    (and any conclusions to `bench.extra_targets`), so a plugin measures itself next to core."""
+
+
+@hookspec
+def register_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add subcommands to the `weightsync` command: `subparsers.add_parser(name, ...)`, then
+    `set_defaults(fn=...)` with a function of the parsed arguments that returns an exit status.
+    Called every time the command starts: import anything heavy inside `fn`, not here."""

@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .config import ComponentRef, ResolvedConfig, SyncConfig, check_pause_mode, plan_engine, resolve
+from .assembly import ResolvedConfig, check_pause_mode, plan_engine, resolve
+from .config import ComponentRef, SyncConfig
 from .errors import SyncError, WeightSyncError
 from .interfaces import Adapter, Encoding, Member, NameMap
 from .plugins import Components, load_components

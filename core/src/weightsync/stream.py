@@ -73,8 +73,8 @@ class Stream:
         q: queue.Queue = queue.Queue()
         stop = threading.Event()
         bar = Progress(self.progress, model_bytes(model), report.version)
-        alloc = getattr(self.transport, "alloc", None)
-        ahead = getattr(self.transport, "announce_ahead", None)     # collective: announce on packing
+        alloc = self.transport.alloc
+        ahead = self.transport.announce_ahead       # collective: announce on packing
         changed = elements = 0
         sent = 0
 

@@ -1,7 +1,7 @@
 """Issue 16 on a real multi-node Ray cluster (three raylets on this machine): a trainer of two
 Ray actors (FSDP2 over gloo) pushes into engine actors that Ray placed, supervises and restarts,
-with membership held by a named, detached fleet actor; and a publish-only fleet whose disk_delta
-pull agents run as one actor per node."""
+with membership held by a named, detached fleet actor. (The publish-only fleet whose disk_delta
+pull agents run as one actor per node is tested with the plugin: plugins/disk_delta/tests/on_ray.)"""
 
 from __future__ import annotations
 
@@ -100,64 +100,3 @@ def test_two_rank_trainer_three_engine_actors_one_killed_and_back(
         assert mismatches(info["url"], weights) == []
     view = ray.get(fleet.view.remote())
     assert view["version"] == 6 and [m["version"] for m in view["members"]] == [6, 6, 6]
-
-
-def test_publish_only_fleet_with_a_pull_agent_actor_per_node(
-        cluster: dict[str, str], cleanup: list, tmp_path: Path) -> None:
-    """The trainer publishes deltas into a shared root; an agent actor per engine node applies
-    them to a node-local checkpoint and reloads that node's engine. Node b's agent joins at
-    version 3 (it builds the newest full version and the deltas after it); node a's agent is
-    killed at version 4 and Ray restarts it."""
-    pytest.importorskip("weightsync_disk_delta")
-    import ray
-
-    from weightsync.ray.agent import start_agent
-    from weightsync.ray.engine import start_engine, stop_actors, wait_ready
-    from weightsync.ray.launch import EngineLaunch
-    from weightsync.ray.trainer import RayTrainer
-
-    model = write_initial_checkpoint(tmp_path / "model")
-    root = tmp_path / "published"
-    local = {n: tmp_path / f"local-{n}" for n in ("a", "b")}
-    fleet = start_fleet("publish", cleanup)
-    engines = {n: start_engine(f"p{n}", EngineLaunch(model=str(model), load_roots=[str(local[n])]),
-                               resources={f"node_{n}": 1}, log_dir=str(tmp_path))
-               for n in ("a", "b")}
-    cleanup.append(lambda: stop_actors(list(engines.values())))
-    agents: dict[str, Any] = {}
-    cleanup.append(lambda: stop_actors(list(agents.values())))
-
-    def agent(n: str, url: str) -> Any:
-        return start_agent(f"host-{n}", str(root), str(local[n]), engine_url=url,
-                           fleet=("publish", "weightsync-tests"), resources={f"node_{n}": 1},
-                           log_dir=str(tmp_path))
-
-    config = {"fleet": {"kind": "ray", "options": {"name": "publish",
-                                                   "namespace": "weightsync-tests"}},
-              "encoding": "delta",
-              "transport": {"kind": "disk_delta", "options": {"root": str(root)}},
-              "exporter": EXPORTER, "sync": SYNC}
-    trainer = RayTrainer(2, config, resources={"trainer": 1}, **POLICY)
-    cleanup.append(trainer.shutdown)
-    trainer.start()
-    ready = wait_ready(list(engines.values()), timeout=180)
-    urls = {n: i["url"] for n, i in zip(engines, ready, strict=True)}
-    agents["a"] = agent("a", urls["a"])
-    for v in range(1, 7):
-        report = trainer.train_and_push(v)
-        assert report.ok and report.published and not report.engines, report.summary()
-        if v == 3:
-            agents["b"] = agent("b", urls["b"])            # a host that joins late
-        if v == 4:
-            ray.get(agents["a"].ready.remote(120, 4), timeout=180)
-            ray.kill(agents["a"], no_restart=False)        # Ray restarts it; it goes on
-
-    weights = trainer.weights()
-    for n in ("a", "b"):
-        info = wait_ready([agents[n]], timeout=180, min_version=6)[0]
-        assert info["version"] == 6 and info["node_id"] == cluster[n]
-        assert mismatches(urls[n], weights) == []
-    assert ray.get(agents["a"].info.remote())["restarted"]
-    hosts = {m["name"]: m for m in ray.get(fleet.view.remote())["members"]}
-    assert {n: (m["role"], m["version"]) for n, m in hosts.items()} == {
-        "host-a": ("host", 6), "host-b": ("host", 6)}

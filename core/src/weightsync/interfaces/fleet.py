@@ -31,6 +31,8 @@ class Fleet(Component):
 
     takes_engines: ClassVar[bool] = False
     """True when the fleet is (or starts from) the config's `engines:` list."""
+    url: str | None = None
+    """Where members register (a registry fleet); None for fleets members do not join."""
 
     def open(self, components: Any, default_adapter: Any) -> None:
         """Start whatever the fleet runs (a registry service); `default_adapter` is the config's

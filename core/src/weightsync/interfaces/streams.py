@@ -29,6 +29,9 @@ class Encoding(Component):
     landed through begin/commit/rollback."""
 
     lossless: ClassVar[bool] = True
+    streams: ClassVar[bool] = False
+    """True when the wire form is the target tensors in safetensors layout (raw, cast), so an
+    engine may read an in-band body straight into staging (`ReceiveSession.apply_stream`)."""
 
     @abc.abstractmethod
     def encode(self, bucket: Bucket, alloc: Alloc | None = None) -> Payload:
@@ -75,11 +78,29 @@ class Endpoint:
 class TransportReceiver(abc.ABC):
     """The receiving half of a transport, built inside the engine process from `describe()`."""
 
+    private: ClassVar[bool] = False
+    """True when `receive` returns this process's own memory (an HTTP body, a receive buffer):
+    nobody else can change it, so it is hashed as it is copied into staging."""
+    in_band: ClassVar[bool] = False
+    """True when the body comes in the request itself (http), so a server may stream it into
+    staging as it reads it."""
+
     def __init__(self, options: BaseModel) -> None:
         self.options = options
 
     def join(self, info: Mapping[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not join groups")
+
+    def hash_source(self, header: Mapping[str, Any]) -> bool | None:
+        """Whether the body of `header` may be hashed as it is read, though it is shared memory
+        (the receiver checks it after the copy, `unchanged`); None: not supported, `private`
+        decides."""
+        return None
+
+    def unchanged(self, header: Mapping[str, Any]) -> None:
+        """After staging the body of `header`: raise PayloadError if the sender rewrote it
+        meanwhile (for receivers whose `hash_source` vouched for it); by default nothing to
+        check."""
 
     @abc.abstractmethod
     def receive(self, header: Mapping[str, Any], body: memoryview | None) -> torch.Tensor:
@@ -119,6 +140,9 @@ class Transport(Bounded, Component):
 
     alloc: Alloc | None = None
     """Set by transports that want payloads written into their own buffers (shared memory)."""
+    announce_ahead: Callable[[Payload, Sequence["Adapter"]], None] | None = None
+    """Set by transports that tell engines about a payload as soon as it is packed, while the
+    one before it is still moving (collective); None: `send` announces."""
 
     def discard(self, payload: Payload) -> None:
         """`payload` will not be sent (its sync is being abandoned): release its buffer."""

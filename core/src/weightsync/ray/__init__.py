@@ -1,5 +1,5 @@
 """weightsync on Ray (`pip install 'weightsync-core[ray]'`): fleet membership held by a named,
-detached Ray actor, engines and disk pull agents as Ray actors that Ray places and restarts, and
+detached Ray actor, engines as Ray actors that Ray places and restarts, and
 trainers whose ranks are Ray actors. Nothing here schedules, places or discovers anything itself:
 that is Ray's job.
 
@@ -22,8 +22,6 @@ _EXPORTS = {
     "start_engine": ".engine",
     "stop_actors": ".engine",
     "wait_ready": ".engine",
-    "PullAgentActor": ".agent",
-    "start_agent": ".agent",
     "RayTrainer": ".trainer",
     "TrainerError": ".trainer",
     "TrainerWorker": ".trainer",

@@ -1,4 +1,5 @@
-"""`weightsync-disk-delta agent ...`: the pull agent of a rollout host, as a command."""
+"""`weightsync-disk-delta agent ...` (also `weightsync disk-delta agent ...`, through the
+`register_commands` hook): the pull agent of a rollout host, as a command."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def _adapter(kind: str, url: str | None, api_key: str | None):  # noqa: ANN202
 
 
 def _agent(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING)
     from weightsync.errors import WeightSyncError
 
     from .agent import Agent
@@ -65,11 +67,8 @@ def _agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser("weightsync-disk-delta",
-                                description="Pull published weight versions into a host-local checkpoint.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """The plugin's subcommands (`agent`) on `sub`, for either command."""
     sp = sub.add_parser("agent", help="follow a published root and keep an engine current",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sp.add_argument("--root", required=True, help="the published directory (shared filesystem)")
@@ -95,8 +94,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.add_argument("--fleet-key", default=None, help="the registry's key (or $WEIGHTSYNC_FLEET_KEY)")
     sp.add_argument("--name", default=None, help="this host's member name (default: the hostname)")
     sp.set_defaults(fn=_agent)
+
+
+def register_commands(subparsers: argparse._SubParsersAction) -> None:
+    """`weightsync disk-delta ...`: the plugin's subcommands under the `weightsync` command."""
+    p = subparsers.add_parser("disk-delta", help="the disk_delta plugin: pull published versions "
+                              "into a host-local checkpoint (weightsync-disk-delta)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_commands(p.add_subparsers(dest="disk_delta_cmd", required=True, metavar="COMMAND"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser("weightsync-disk-delta",
+                                description="Pull published weight versions into a host-local checkpoint.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_commands(p.add_subparsers(dest="cmd", required=True))
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
     return args.fn(args)
 
 

@@ -15,7 +15,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import torch
 import zstandard
 
@@ -23,6 +22,7 @@ from weightsync.bucket import dtype_name, tensor_digest, tensor_header
 from weightsync.errors import PayloadError
 
 from . import kernels, positions
+from .compare import changed_positions
 from .hashing import Digest
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -100,54 +100,6 @@ def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor | None, *,
     arrays = [(name + IDX_SEP + k, a) for k, a in pos_arrays.items()]
     arrays.append((name + IDX_SEP + "val", vals.view(new.dtype)))
     return Encoded({"kind": "sparse", "changed": changed, "pos": pos}, arrays, changed, digest, idx, vals)
-
-_WORDS = 1 << 16
-_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def changed_positions(nb: torch.Tensor, bb: torch.Tensor | None, limit: int = -1
-                      ) -> tuple[torch.Tensor | None, int]:
-    """(ascending int64 positions where two integer views differ (`bb` None: where `nb` is not
-    zero), how many). Past `limit` changes (-1: at once) it only counts and returns no positions
-    (the tensor ships whole).
-
-    Compares 8-byte words in cache-sized chunks, then splits only the words that differ into
-    elements: numpy's nonzero costs per element scanned, so scanning words instead of bf16
-    elements is 4x fewer steps, and the mask never grows to the size of the model. The last
-    few elements that do not fill a word are compared one by one."""
-    a = nb.numpy()
-    b = bb.numpy() if bb is not None else None
-    size = a.itemsize
-    lanes = 8 // size
-    body = a.size - a.size % lanes
-    wa = a[:body].view(np.int64)
-    wb = b[:body].view(np.int64) if b is not None else None
-    shift = lanes.bit_length() - 1
-    lane_t = _UINT_OF_SIZE[size]
-    mask = np.empty(min(_WORDS, wa.size), dtype=bool)
-    parts: list[np.ndarray] = []
-    count = 0
-    for s in range(0, wa.size, _WORDS):
-        e = min(s + _WORDS, wa.size)
-        if limit < 0 or count > limit:            # ships whole: only count what is left
-            count += int(np.count_nonzero(a[s * lanes: e * lanes] != (0 if b is None else
-                                                                        b[s * lanes: e * lanes])))
-            continue
-        m = mask[: e - s]
-        np.not_equal(wa[s:e], 0 if wb is None else wb[s:e], out=m)
-        w = np.flatnonzero(m)
-        if not w.size:
-            continue
-        x = wa[s:e][w] if wb is None else np.bitwise_xor(wa[s:e][w], wb[s:e][w])
-        k = np.flatnonzero(x.view(lane_t) != 0)
-        count += k.size
-        parts.append(((w[k >> shift] + s) << shift) | (k & (lanes - 1)))
-    tail = np.flatnonzero(a[body:] != (0 if b is None else b[body:])) + body
-    count += tail.size
-    if limit < 0 or count > limit:
-        return None, count
-    idx = np.concatenate([*parts, tail])
-    return torch.from_numpy(idx.astype(np.int64, copy=False)), count
 
 
 def _xor_estimate(nb: torch.Tensor, bb: torch.Tensor, level: int) -> float:

@@ -110,7 +110,7 @@ def scan(nb: torch.Tensor, bb: torch.Tensor, limit: int, hasher: Any = None) -> 
 
 
 def _scan_numpy(nb: torch.Tensor, bb: torch.Tensor, limit: int, hasher: Any) -> Scan:
-    from .codec import changed_positions
+    from .compare import changed_positions
     if hasher is not None:
         hasher.update(memoryview(nb.numpy()).cast("B"))
     idx, count = changed_positions(nb, bb, limit)

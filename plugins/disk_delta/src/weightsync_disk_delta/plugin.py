@@ -13,3 +13,15 @@ def register_encodings(register):  # noqa: ANN001, ANN201
 def register_transports(register):  # noqa: ANN001, ANN201
     from .transport import DiskDeltaTransport
     register(DiskDeltaTransport)
+
+
+@hookimpl
+def register_bench_rows(register):  # noqa: ANN001, ANN201
+    from .bench import disk_delta_rows
+    register(disk_delta_rows)
+
+
+@hookimpl
+def register_commands(subparsers):  # noqa: ANN001, ANN201
+    from .cli import register_commands as add
+    add(subparsers)

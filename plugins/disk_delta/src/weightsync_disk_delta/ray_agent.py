@@ -4,7 +4,7 @@ checkpoint and reloading the node's engine from it, and registers the node with 
 as a `host` (never pushed to; the fleet view shows the version it holds). Same lifecycle as an
 engine actor: the agent's process and the actor live and die together, and Ray restarts the
 actor, whose new agent picks up where the checkpoint stands (the plugin's journal makes a killed
-agent safe)."""
+agent safe). Needs `weightsync-disk-delta[ray]`."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from typing import Any
 
 import ray
 
-from ..config import ComponentRef, EngineSpec, build_options
-from ._ray import node_ip, restarted
-from .engine import EngineStartError, FleetRef, placement
-from .membership import ActorMembership
-from .process import ManagedProcess, crash_actor
+from weightsync.config import ComponentRef, EngineSpec, build_options
+from weightsync.ray._ray import node_ip, restarted
+from weightsync.ray.engine import EngineStartError, FleetRef, placement
+from weightsync.ray.membership import ActorMembership
+from weightsync.ray.process import ManagedProcess, crash_actor
 
 log = logging.getLogger("weightsync.ray")
 
@@ -93,7 +93,7 @@ class PullAgentRunner:
 
     def _probe(self) -> Any:
         """The adapter that asks the node's engine for its version."""
-        from ..plugins import load_components
+        from weightsync.plugins import load_components
         cls = load_components().adapters.get(self.engine)
         return cls(build_options(cls, ComponentRef(kind=self.engine), "adapter"),
                    EngineSpec(url=self.engine_url, api_key=self.api_key))

@@ -1,0 +1,102 @@
+"""The announce-ahead state of transport `collective`: announces made for the next payload while
+the bucket before it is still being broadcast, and when they go stale."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...interfaces import Adapter, Payload
+from .. import pg as pgs
+from .calls import _Call, _spawn
+
+
+@dataclass
+class _Ahead:
+    """The announces of a payload made while the previous bucket was still being broadcast."""
+
+    group: str
+    seq: int
+    engines: tuple[str, ...]
+    calls: dict[str, "_Call"]
+    wake: threading.Event
+
+
+class AnnounceAhead:
+    """The announce-ahead half of `CollectiveTransport` (which holds the attributes named here
+    and `_layout`)."""
+
+    group: pgs.Group | None
+    key: tuple | None
+    _seq: int
+    _ahead: dict[int, _Ahead]
+    _ahead_seq: int
+    _ahead_next: int
+    _ahead_lock: threading.Lock
+    _layout: Any
+
+    def announce_ahead(self, payload: Payload, engines: Sequence[Adapter]) -> None:
+        """Announce `payload` as soon as it is packed, while the bucket before it is still being
+        broadcast, so every engine has posted its receive when rank 0 starts the next broadcast
+        (no idle link between buckets: an announce costs an HTTP round trip and a gloo
+        handshake). Only for engines that serve announces in any order and wait for their turn
+        (`ordered_announces`), the whole body as one broadcast, payloads announced in bucket
+        order on the group `open` built for exactly these engines; otherwise `send` announces
+        as before. An announce that is never broadcast (an aborted round, a rebuilt group)
+        leaves its group poisoned: the next round builds a new one, which frees the engines
+        still waiting on the old one."""
+        engines = list(engines)
+        group = self.group          # the sending thread may be replacing it: one look
+        with self._ahead_lock:
+            try:
+                fits = (payload.index == self._ahead_next and group is not None and bool(engines)
+                        and all(a.ordered_announces for a in engines)
+                        and self.key == tuple((a.engine_name, a.group_size()) for a in engines)
+                        and self._layout(engines) == "safetensors")
+            except Exception:  # noqa: BLE001 - send announces it then, and reports what is wrong
+                fits = False
+            if not fits:
+                self._ahead_next = -1           # out of order once: not again this round
+                return
+            seq = self._ahead_seq
+            self._ahead_seq += 1
+            self._ahead_next += 1
+            body = payload.body
+            header = payload.header(group_name=group.name, layout="safetensors", seq=seq,
+                                    nbytes=body.numel() * body.element_size(), dtype="uint8",
+                                    numel=body.numel())
+            wake = threading.Event()
+            calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
+            self._ahead[payload.index] = _Ahead(group.name, seq, tuple(a.engine_name for a in engines),
+                                                calls, wake)
+
+    def _take_ahead(self, payload: Payload, engines: Sequence[Adapter]) -> _Ahead | None:
+        """The announces made ahead for `payload`, if they still fit the group and this seq;
+        stale ones poison the group (their engines wait for a broadcast that never comes)."""
+        with self._ahead_lock:
+            ahead = self._ahead.pop(payload.index, None)
+            if ahead is None:
+                return None
+            if (self.group is not None and ahead.group == self.group.name and ahead.seq == self._seq
+                    and ahead.engines == tuple(a.engine_name for a in engines)):
+                return ahead
+            self._drop_ahead(ahead)
+            return None
+
+    def _drop_ahead(self, ahead: _Ahead) -> None:
+        """(`_ahead_lock` held) An announce made ahead that will never be broadcast: no more
+        announcing ahead this round, and if it went to the current group, its engines wait for
+        that seq, so the group must be rebuilt."""
+        self._ahead_next = -1
+        if self.group is not None and ahead.group == self.group.name:
+            self.key = None
+
+    def _forget_ahead(self) -> None:
+        """Announces made ahead that will never be broadcast."""
+        with self._ahead_lock:
+            for ahead in self._ahead.values():
+                self._drop_ahead(ahead)
+            self._ahead.clear()
+            self._ahead_next = -1
