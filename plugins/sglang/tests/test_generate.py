@@ -15,7 +15,7 @@ import requests
 from weightsync.config import EngineSpec
 from weightsync.errors import EngineError
 from weightsync.pipeline import WeightSync
-from weightsync.rollout.types import Gate, NotFitting, SamplingParams, Unsupported
+from weightsync.sampling import Gate, NotFitting, SamplingParams, Unsupported
 from weightsync.testing.sample import perturb
 from weightsync_sglang import generation
 from weightsync_sglang.adapter import SGLangAdapter

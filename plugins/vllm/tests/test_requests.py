@@ -213,7 +213,7 @@ def test_completion_body_becomes_the_asked_vllm_sampling_params() -> None:
     the sampled token's logprob is asked for, and child i of n gets seed + i."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.v1.engine.parallel_sampling import ParentRequest
-    from weightsync.rollout.types import SamplingParams
+    from weightsync.sampling import SamplingParams
     from weightsync_vllm.generation import SAMPLING, completion_body
 
     p = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, seed=11, max_new_tokens=9,
@@ -284,7 +284,7 @@ def test_start_command_without_vllm_says_what_to_install(monkeypatch: pytest.Mon
 def test_an_aborted_completion_is_not_fitting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request that a pause in mode abort ended comes back partial: refused, never a sample."""
     from weightsync.config import EngineSpec
-    from weightsync.rollout.types import Gate, NotFitting, SamplingParams
+    from weightsync.sampling import Gate, NotFitting, SamplingParams
     a = VllmAdapter(engine=EngineSpec(url="http://127.0.0.1:9", name="e"))
     versions = iter([4, 5])
     monkeypatch.setattr(a, "weight_version", lambda: next(versions))

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import EngineError, WeightSyncError
 from ..httpclient import auth_headers, call, json_of, session_for
 from ..interfaces import Adapter, Endpoint, EngineStatus, LocalEngine
-from ..rollout.types import Gate, NotFitting, Sample, SamplingParams
+from ..sampling import Gate, NotFitting, Sample, SamplingParams
 
 
 ROUND_HEADER = "X-Weightsync-Round"

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 from pydantic import BaseModel
 
 from ..errors import WeightSyncError
-from ..rollout.types import Gate, Sample, SamplingParams, Unsupported
+from ..sampling import Gate, Sample, SamplingParams, Unsupported
 from .base import Bounded, Component, Payload
 from .streams import Encoding, Endpoint, Transport
 
@@ -57,7 +57,7 @@ class Adapter(Bounded, Component):
     def __init__(self, options: BaseModel | None = None, engine: "EngineSpec | None" = None) -> None:
         super().__init__(options)
         if engine is None:
-            from .config import EngineSpec
+            from ..config import EngineSpec
             engine = EngineSpec(url="http://127.0.0.1:8100")
         self.engine = engine
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import ComponentRef
 from ..errors import ConfigError
-from ..rollout.types import Unsupported
+from ..sampling import Unsupported
 
 
 class EngineLaunch(BaseModel):

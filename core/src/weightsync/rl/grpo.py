@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch.func import functional_call
 
-from ..rollout.types import Sample
+from ..sampling import Sample
 
 
 @dataclass

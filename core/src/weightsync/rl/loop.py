@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import SyncError
-from ..rollout.types import Sample, SamplingParams
+from ..sampling import Sample, SamplingParams
 from . import grpo
 
 Sampler = Callable[..., list[Sample]]       # (prompts, params, min_version=...) -> Samples

@@ -1,17 +1,11 @@
 """Rollouts for RL: sampled tokens with their logprobs and weight versions, from any engine of a
-fleet (`RolloutClient`), or through one URL for the whole fleet (`RolloutRouter`)."""
+fleet (`RolloutClient`), or through one URL for the whole fleet (`RolloutRouter`, `RouterClient`).
+The data they carry (`SamplingParams`, `Gate`, `Sample`) is `weightsync.sampling`."""
 
-from .types import Gate, NotFitting, Sample, SamplingParams, StaleEngines, Unsupported
+from ..sampling import Gate, NotFitting, Sample, SamplingParams, StaleEngines, Unsupported
+from .client import RolloutClient
+from .remote import RouterClient
+from .router import RolloutRouter
 
-__all__ = ["Gate", "NotFitting", "Sample", "SamplingParams", "StaleEngines", "Unsupported",
-           "RolloutClient", "RolloutRouter"]
-
-
-def __getattr__(name: str):  # noqa: ANN202 - lazy: the client pulls in the plugin manager
-    if name == "RolloutClient":
-        from .client import RolloutClient
-        return RolloutClient
-    if name == "RolloutRouter":
-        from .router import RolloutRouter
-        return RolloutRouter
-    raise AttributeError(name)
+__all__ = ["Gate", "NotFitting", "RolloutClient", "RolloutRouter", "RouterClient", "Sample",
+           "SamplingParams", "StaleEngines", "Unsupported"]

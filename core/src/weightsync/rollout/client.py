@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 from ..config import EngineSpec
 from ..errors import EngineError, WeightSyncError
 from ..interfaces import Adapter, Fleet, Member
-from .types import Gate, NotFitting, Sample, SamplingParams, StaleEngines, Unsupported
+from ..sampling import Gate, NotFitting, Sample, SamplingParams, StaleEngines, Unsupported
 
 MembersSource = Callable[[], list[Member]]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import requests
 
-from .types import Sample, SamplingParams, StaleEngines, Unsupported
+from ..sampling import Sample, SamplingParams, StaleEngines, Unsupported
 
 
 class RouterClient:

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from ..httpserver import HttpError, Routes, Server, make_server
 from .client import RolloutClient
-from .types import SamplingParams, StaleEngines, Unsupported
+from ..sampling import SamplingParams, StaleEngines, Unsupported
 
 routes = Routes()
 MAX_PROMPTS = 4096

@@ -53,7 +53,7 @@ from pydantic import ValidationError
 from safetensors.torch import save
 
 from ..errors import PayloadError
-from ..rollout.types import SamplingParams
+from ..sampling import SamplingParams
 from ..httpserver import HttpError, Routes, Server, make_server as make_http_server
 from ..httpserver import MiB, resolve_key, warn_if_open
 from ..wire import read_frame_header

@@ -23,7 +23,7 @@ from ..errors import PayloadError
 from ..fleet.peer import Shares, pull
 from ..httpserver import Conflict409
 from ..receiver import ReceiveSession, check_tensor, read_checkpoint
-from ..rollout.types import SamplingParams
+from ..sampling import SamplingParams
 from .model import LoadedModel
 from .sampler import Aborted, Sampler, make_rows, score
 

