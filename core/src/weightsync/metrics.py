@@ -44,6 +44,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.port: int | None = None
         self._m: dict[str, Any] = {}
+        self._server: Any = None
         if settings is not None and settings.prometheus_port is not None:
             self._start(settings)
 
@@ -118,7 +119,7 @@ class Metrics:
                 self._m["gap"].labels(engine, "max").set(max_)
 
     def close(self) -> None:
-        server = getattr(self, "_server", None)
+        server = self._server
         if server is not None:
             server.shutdown()
             server.server_close()

@@ -213,7 +213,7 @@ def _load_from_disk(h: Any, q: dict) -> Any:
     if "path" not in body or "version" not in body:
         raise PayloadError('load_from_disk needs {"path": DIR, "version": v}')
     path = Path(str(body["path"]))
-    roots = getattr(h, "load_roots", ())
+    roots = h.load_roots
     real = path.resolve()
     if not any(real == r or r in real.parents for r in roots):
         raise HttpError(403, f"load_from_disk of {path} is refused: it is not below a directory "

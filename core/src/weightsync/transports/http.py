@@ -128,7 +128,7 @@ class HttpTransport(Transport):
         key = (adapter.engine_name, lane)
         with self._lock:
             if key not in self._sessions:
-                self._sessions[key] = session_for(getattr(adapter, "engine", None))
+                self._sessions[key] = session_for(adapter.engine)
             return self._sessions[key]
 
     def _post(self, adapter: Adapter, payload: Payload, body: torch.Tensor, lane: int) -> None:

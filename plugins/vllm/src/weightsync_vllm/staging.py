@@ -154,7 +154,7 @@ class Round:
             raise PayloadError(f"bucket {payload.index}: the fetch reference is for "
                                f"{ref.get('nbytes')} bytes, the header says {header.get('nbytes')}")
         cap = self.index.total_bytes() + (16 << 20)
-        if not (getattr(self.encoding, "streams", False) and digest_algo(payload.digest) == "xxh3"):
+        if not (self.encoding.streams and digest_algo(payload.digest) == "xxh3"):
             def whole(read_into: Any, n: int) -> memoryview:
                 body = memoryview(bytearray(n))
                 read_exact(read_into, body)
