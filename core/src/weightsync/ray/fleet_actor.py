@@ -68,8 +68,7 @@ class FleetActor:
         with self.lock:
             with roster.lock:
                 old = roster.members.get(name)
-                if (old is not None and owner is not None and self.owners.get(name) == owner
-                        and old.reg.url != registration.get("url")):
+                if old is not None and owner is not None and self.owners.get(name) == owner:
                     roster.members.pop(name, None)
                     log.info("member %s came back at %s (was %s): its old entry is replaced",
                              name, registration.get("url"), old.reg.url)
