@@ -20,6 +20,7 @@ class EngineOutcome:
     seconds: float = 0.0                # from the start of the push until this engine was done
     status: Status | None = None        # verified | acknowledged | failed (None: not reached)
     caught_up: bool = False             # brought from an older version with whole tensors
+    pause_window: float = 0.0           # seconds this sync kept the engine paused (0: never, or no answer)
 
     def fail(self, stage: str, error: str) -> None:
         self.ok, self.stage, self.error, self.status = False, stage, error, "failed"
@@ -34,7 +35,7 @@ class SyncReport:
     buckets: int = 0
     tensors: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
-    pause_window: float = 0.0           # longest time any engine was paused by this sync
+    pause_window: float = 0.0           # longest time a live engine was paused by this sync
     engines: dict[str, EngineOutcome] = field(default_factory=dict)
     digests: dict[int, str] = field(default_factory=dict)
     density: float | None = None        # changed elements / elements, for delta encodings
