@@ -100,9 +100,15 @@ class ReferenceAdapter(Adapter):
     def join_group(self, info: Mapping[str, Any]) -> None:
         self._post("/weightsync/join", dict(info), timeout=self.options.payload_timeout)
 
-    def load_from_disk(self, path: str, version: int) -> None:
-        self._post("/weightsync/load_from_disk", {"path": str(path), "version": int(version)},
-                   timeout=self.options.payload_timeout)
+    def load_from_disk(self, path: str, version: int, allow_older: bool = False,
+                       signature: Mapping[str, Any] | None = None) -> None:
+        """`allow_older`: an operator's rollback (the engine refuses to move back otherwise);
+        `signature`: weightsync.signing.checkpoint_signature, for an engine with an HMAC key."""
+        body: dict[str, Any] = {"path": str(path), "version": int(version),
+                                "allow_older": bool(allow_older)}
+        if signature is not None:
+            body["signature"] = dict(signature)
+        self._post("/weightsync/load_from_disk", body, timeout=self.options.payload_timeout)
 
     def share(self, token: str, ttl: float) -> dict[str, Any]:
         return self._post("/weightsync/peer/share", {"token": token, "ttl": ttl}) or {}

@@ -23,6 +23,7 @@ from ..errors import PayloadError
 from ..fleet.peer import Shares, pull
 from ..httpserver import Conflict409
 from ..receiver import ReceiveSession, check_tensor, read_checkpoint
+from ..signing import check_checkpoint
 from .model import LoadedModel
 
 log = logging.getLogger("weightsync.server")
@@ -314,24 +315,37 @@ class ReferenceEngine:
     def close(self) -> None:
         self._stop.set()
 
-    def load_from_disk(self, path: str, version: int) -> int:
+    def load_from_disk(self, path: str, version: int, allow_older: bool = False,
+                       signature: Any = None) -> int:
         """Reload weights from every *.safetensors in `path` (a host-local checkpoint the disk
         agent keeps) and set `version`. Everything is read and checked first, then applied under
-        the model lock in one step, so any error leaves the engine untouched at its version."""
+        the model lock in one step, so any error leaves the engine untouched at its version.
+        The version rules of pushes hold: only a newer version, unless the operator says
+        `allow_older`; with an HMAC key, only a checkpoint signed as that version."""
         if int(version) < 0:
             raise PayloadError(f"version {version} is negative")
+        self._check_newer(int(version), allow_older)
         named = read_checkpoint(path, lambda n, t: check_tensor(self.model.store, n, t))
+        check_checkpoint(self.hmac_key, path, int(version), named, signature)
         with self.session_lock:
             self._expire()
             if self.round is not None:
                 raise Conflict(f"round {self.round.id} is open; finish or abort it before reloading "
                                f"from disk")
+            self._check_newer(int(version), allow_older)
             with self.model_lock:
                 self.model.store.load(named)
                 self.version = int(version)
         with self.state:
             self.state.notify_all()
         return self.version
+
+    def _check_newer(self, version: int, allow_older: bool) -> None:
+        if version <= self.version and not allow_older:
+            raise Conflict(f"this engine holds version {self.version}; loading version {version} "
+                           f"from disk would move it back (or give one version label two weight "
+                           f"sets); load a newer version, or pass allow_older: true to roll back "
+                           f"on purpose")
 
     # -- introspection ----------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
