@@ -157,3 +157,87 @@ def test_a_registry_on_its_own_gives_engine_keys_only_to_the_trainer(
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_peer_join_is_anchored_in_the_trainers_digests(model: Any, tmp_path: Path) -> None:
+    """A rogue member holding other weights under the fleet's version serves a joiner a
+    manifest that matches its own bytes: the joiner checks against the trainer's digests,
+    names the liar, and takes the version from an honest peer (or waits for the next push)."""
+    from weightsync.fleet.member import Membership
+    from weightsync.testing.engines import start_all
+    path, sd = model
+    with WeightSync.from_config(fleet_cfg(lease=3.0)) as sync:
+        url = sync.fleet_url
+        reg = RegistryClient(url, KEY)
+        fleet_args = ["--fleet", url, "--fleet-key", KEY]
+        good = EngineProcess(path, name="z-good", log=tmp_path / "good.log", extra_args=fleet_args)
+        liar = EngineProcess(path, name="a-liar", log=tmp_path / "liar.log", load_roots=[str(tmp_path)])
+        joiners: list[EngineProcess] = []
+        keep = None
+        try:
+            start_all([good, liar])
+            wait_for(lambda: member(reg.fleet(), "z-good"), what="z-good registered")
+            v1 = perturb(sd, 1)
+            assert sync.push(v1, version=1).ok
+            # the liar: other weights, labelled as the fleet's version 1
+            other = tmp_path / "other"
+            other.mkdir()
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in perturb(sd, 77).items()},
+                      str(other / "model.safetensors"))
+            r = requests.post(liar.url + "/weightsync/load_from_disk", timeout=60,
+                              json={"path": str(other), "version": 1})
+            assert r.status_code == 200, r.text
+            keep = Membership(url, KEY, {"name": "a-liar", "url": liar.url},
+                              lambda: liar.health()["version"]).start()
+            j = EngineProcess(path, name="j", log=tmp_path / "j.log", extra_args=fleet_args).start()
+            joiners.append(j)
+            m = wait_for(lambda: (x := member(reg.fleet(), "j")) and x["state"] == "live"
+                         and x["version"] == 1 and x, what="j caught up")
+            assert m["via"] == "z-good" and liar.health()["peer"]["served_buckets"] > 0
+            got = j.weights()
+            assert all(torch.equal(got[n], t) for n, t in v1.items())
+            # one-time share tokens, bound to a version: opened as the registry does
+            tok = "t" * 32
+            assert requests.post(good.url + "/weightsync/peer/share", timeout=10,
+                                 json={"token": tok, "ttl": 600}).status_code == 200
+            hdr = {"X-Weightsync-Share": tok}
+            man = requests.get(good.url + "/weightsync/peer/manifest", headers=hdr, timeout=10)
+            assert man.status_code == 200
+            again = requests.get(good.url + "/weightsync/peer/manifest", headers=hdr, timeout=10)
+            assert again.status_code == 401 and "already served the manifest" in again.text
+            n = len(man.json()["buckets"])
+            for i in range(n):
+                b = requests.get(good.url + "/weightsync/peer/bucket", headers=hdr, timeout=10,
+                                 params={"index": i, "version": 1})
+                assert b.status_code == 200
+            b = requests.get(good.url + "/weightsync/peer/bucket", headers=hdr, timeout=10,
+                             params={"index": 0, "version": 1})
+            assert b.status_code == 401                      # the pull ended: the token died
+            tok2 = "u" * 32
+            requests.post(good.url + "/weightsync/peer/share", json={"token": tok2, "ttl": 600},
+                          timeout=10)
+            assert sync.push(perturb(sd, 2), version=2).engines["z-good"].ok
+            late = requests.get(good.url + "/weightsync/peer/manifest", timeout=10,
+                                headers={"X-Weightsync-Share": tok2})
+            assert late.status_code == 409 and "share was for version 1" in late.text
+            # only the liar can serve (at the fleet's version): the joiner refuses it by name
+            good.stop()
+            j.stop()
+            wait_for(lambda: member(reg.fleet(), "z-good") is None, what="z-good left")
+            r = requests.post(liar.url + "/weightsync/load_from_disk", timeout=60,
+                              json={"path": str(other), "version": 2, "allow_older": True})
+            assert r.status_code == 200, r.text                # the liar relabels itself
+            j2 = EngineProcess(path, name="j2", log=tmp_path / "j2.log", extra_args=fleet_args).start()
+            joiners.append(j2)
+            m = wait_for(lambda: (x := member(reg.fleet(), "j2")) and x["state"] == "behind" and x,
+                         what="j2 behind")
+            assert "a-liar" in m["error"] and "other weights than the trainer pushed" in m["error"]
+            assert j2.health()["version"] == 0
+            got = j2.weights()
+            assert all(torch.equal(got[n], t) for n, t in sd.items())     # never the liar's bytes
+        finally:
+            if keep is not None:
+                keep.stop()
+            for e in [good, liar, *joiners]:
+                e.stop()

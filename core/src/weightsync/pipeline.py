@@ -199,6 +199,7 @@ class WeightSync:
         report = SyncReport(version=version)
         clock = Clock(self.settings.deadline)
         self._announced, self._passes, self._passes_run = False, 0, 0
+        self._anchor: list[list[Any]] = []     # [[names], digest] per bucket of this push
         try:
             if self.transport.publish_only:
                 self._announce(1)
@@ -286,6 +287,9 @@ class WeightSync:
         report.verified = bool(report.engines) and all(o.status == "verified"
                                                        for o in report.engines.values())
         try:
+            anchor = getattr(self.fleet, "anchor", None)     # fleets that serve peer joins
+            if anchor is not None and self._anchor and any(o.ok for o in report.engines.values()):
+                anchor(version, self._anchor)
             self.fleet.synced(version, report.versions())
         except WeightSyncError as e:
             log.warning("telling the fleet about version %d failed: %s", version, e)
@@ -311,6 +315,7 @@ class WeightSync:
         done = rnd.run(model, name_map, engines, mode=mode, count=count)
         if count:
             report.digests = dict(rnd.digests)
+            self._anchor = [[stream.names.get(i, []), d] for i, d in sorted(rnd.digests.items())]
         return done
 
     def _publish(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,

@@ -56,8 +56,12 @@ class RegistryClient:
     def fleet(self) -> dict[str, Any]:
         return self._call("GET", "/fleet")
 
-    def synced(self, version: int, versions: dict[str, int | None]) -> None:
-        self._call("POST", "/fleet/synced", {"version": version, "versions": versions})
+    def synced(self, version: int, versions: dict[str, int | None],
+               anchor: list[Any] | None = None) -> None:
+        body: dict[str, Any] = {"version": version, "versions": versions}
+        if anchor is not None:
+            body["anchor"] = anchor
+        self._call("POST", "/fleet/synced", body)
 
     def close(self) -> None:
         self.session.close()

@@ -98,12 +98,21 @@ class RegistryFleet(Fleet):
                 out[m["name"]] = m.get("error") or "lease lapsed"
         return out
 
+    def anchor(self, version: int, buckets: list[Any]) -> None:
+        """The push's digests (per bucket: tensor names, digest), which peer joins check."""
+        if self.service is not None:
+            self.service.set_anchor(version, buckets)
+        else:
+            self._anchor = (version, buckets)        # sent with synced()
+
     def synced(self, version: int, versions: Any) -> None:
         if self.service is not None:
             self.service.roster.synced(version, dict(versions))
             self.service.catchup.poke()
         elif self.client is not None:
-            self.client.synced(version, dict(versions))
+            pending = getattr(self, "_anchor", None)
+            anchor = pending[1] if pending and pending[0] == version else None
+            self.client.synced(version, dict(versions), anchor)
 
     def close(self) -> None:
         if self.service is not None:

@@ -10,7 +10,8 @@ part in pushes. Runs inside the trainer (`fleet: {kind: registry}`) or on its ow
   GET  /fleet             {"version": current, "lease": s, "members": [...]}
                           (?with_keys=1: with each member's registration, engine key included;
                           trainer only: header X-Weightsync-Trainer)
-  POST /fleet/synced      {"version": v, "versions": {name: v}}: what a push did (trainer only)
+  POST /fleet/synced      {"version": v, "versions": {name: v}, "anchor": [[names], digest]...}:
+                          what a push did, and its digests for peer joins (trainer only)
 
 Every route needs the registry's API key (the fleet key). The fleet key lets a process register
 *itself*; what it gets back is a credential of its own, which every later call about that member
@@ -46,6 +47,7 @@ class RegistryService:
         self.roster = Roster(lease)
         self.api_key = api_key
         self.trainer_key = trainer_key           # reads engine keys, reports pushes
+        self.anchors: dict[int, list[Any]] = {}  # version -> the trainer's [[names], digest]s
         self.health_check = health_check
         self.default_adapter = default_adapter or ComponentRef(kind="reference")
         self.adapters: dict[str, tuple[tuple, Adapter]] = {}
@@ -89,6 +91,19 @@ class RegistryService:
                 hit[1].close()
             self.adapters[m.reg.name] = (key, a)
             return a
+
+    def set_anchor(self, version: int, buckets: Any) -> None:
+        """The trainer's digests for `version` (per bucket: tensor names, digest): what a peer
+        join checks its bytes against. The last few versions are kept."""
+        if not isinstance(buckets, list) or not all(
+                isinstance(b, (list, tuple)) and len(b) == 2 and isinstance(b[0], list)
+                and all(isinstance(n, str) for n in b[0]) and isinstance(b[1], str)
+                for b in buckets):
+            raise HttpError(400, "anchor must be a list of [[tensor names], digest] per bucket")
+        with self.lock:
+            self.anchors[int(version)] = [[list(b[0]), b[1]] for b in buckets]
+            for old in sorted(self.anchors)[:-4]:
+                del self.anchors[old]
 
     def is_trainer(self, got: str | None) -> bool:
         return bool(self.trainer_key) and isinstance(got, str) and hmac.compare_digest(
@@ -215,6 +230,8 @@ def _synced(h: Any, q: dict) -> Any:
     versions = body.get("versions") or {}
     if not isinstance(versions, dict):
         raise HttpError(400, "versions must map member names to versions")
+    if body.get("anchor") is not None:
+        h.service.set_anchor(int(body["version"]), body["anchor"])
     h.service.roster.synced(int(body["version"]), {str(k): (None if v is None else int(v))
                                                    for k, v in versions.items()})
     h.service.catchup.poke()

@@ -114,6 +114,13 @@ class FleetActor:
     def excluded(self) -> dict[str, str]:
         return self.service.excluded()
 
+    def anchor(self, version: int, buckets: list[Any]) -> None:
+        from ..httpserver import HttpError
+        try:
+            self.service.set_anchor(int(version), buckets)
+        except HttpError as e:
+            raise FleetRefused(str(e)) from None
+
     def synced(self, version: int, versions: dict[str, int | None]) -> None:
         self.service.roster.synced(int(version), {str(k): (None if v is None else int(v))
                                                   for k, v in versions.items()})

@@ -212,7 +212,7 @@ def _peer_bucket(h: Any, q: dict) -> Any:
     return b"".join(bytes(p) for p in parts)
 
 
-@routes.add("POST", "/weightsync/pull")
+@routes.add("POST", "/weightsync/pull", max_body=JSON_CAP)
 def _pull(h: Any, q: dict) -> Any:
     body = h.json_body()
     peer = body.get("peer")

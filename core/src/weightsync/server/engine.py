@@ -247,22 +247,26 @@ class ReferenceEngine:
 
     # -- peer join -------------------------------------------------------------------------
     def share(self, token: str, ttl: float) -> dict[str, Any]:
-        """Let a joiner holding `token` pull this engine's weights for `ttl` seconds."""
-        self.shares.open(token, ttl)
-        return {"version": self.version, "source": "http"}
+        """Let a joiner holding `token` pull this engine's current version once, within `ttl`
+        seconds (the token dies with that pull, or when this engine moves on)."""
+        with self.model_lock:
+            self.shares.open(token, ttl, self.version)
+            return {"version": self.version, "source": "http"}
 
     def peer_manifest(self, token: str | None) -> dict[str, Any]:
-        self.shares.check(token)
         with self.model_lock:
+            self.shares.check(token, self.version)
             return self.shares.manifest(self.version, self.model.store)
 
     def peer_bucket(self, token: str | None, index: int, version: int) -> list[Any]:
-        self.shares.check(token)
         with self.model_lock:
             if version != self.version:
                 raise Conflict(f"this peer holds version {self.version} now, not {version}; "
                                f"pull again")
-            return self.shares.bucket(self.version, index, self.model.store)
+            self.shares.check(token, self.version, index)
+            out = self.shares.bucket(self.version, index, self.model.store)
+            self.shares.served_all(token, len(self.shares.manifest(self.version, self.model.store)["buckets"]))
+            return out
 
     def pull(self, peer: Mapping[str, Any], lease: float = 600.0) -> int:
         """Catch up from a peer (see weightsync.fleet.peer): everything is staged and checked in
