@@ -206,6 +206,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--trainer-key-file", default=None,
                     help="the trainer's key (or $WEIGHTSYNC_FLEET_TRAINER_KEY): only it reads the "
                          "members' engine keys and reports pushes")
+    sp.add_argument("--state-file", default=None,
+                    help="keep the fleet's version and digests in this file across restarts")
     sp.add_argument("--insecure", action="store_true",
                     help="serve without a fleet key (anyone who reaches it can join)")
     sp.add_argument("--lease", type=float, default=10.0, help="seconds a member stays without a heartbeat")

@@ -347,6 +347,7 @@ class Server(ThreadingHTTPServer):
         self.slots = threading.BoundedSemaphore(4 * max_connections)
         self.max_connections = max_connections
         self.guard = HeadGuard(max_connections, head_deadline)
+        self.open_conns: set[Any] = set()        # closed with the server: no keep-alive outlives it
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -372,11 +373,22 @@ class Server(ThreadingHTTPServer):
     def server_close(self) -> None:
         self.guard.close()
         super().server_close()
+        with self.guard.lock:
+            conns, self.open_conns = list(self.open_conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self.guard.lock:
+            self.open_conns.add(request)
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self.guard.lock:
+                self.open_conns.discard(request)
             self.slots.release()
 
 

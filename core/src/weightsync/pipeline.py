@@ -125,6 +125,20 @@ class WeightSync:
         """Where members register, for a registry fleet."""
         return getattr(self.fleet, "url", None)
 
+    def fleet_version(self) -> int | None:
+        """The newest version the fleet holds (None: nothing pushed yet): what a trainer that
+        restarted pushes above. The highest of the version the fleet recorded (a registry, kept
+        on disk with `state_file`) and the versions its members' engines report."""
+        recorded = getattr(self.fleet, "version", None)
+        found = [recorded()] if callable(recorded) else []
+        engines = self.members()
+        clock = Clock(self.settings.deadline)
+        self._bound(engines, clock)
+        statuses, _ = Calls(self._pool, clock).each(engines, lambda a: a.health())
+        found += [s.version for s in statuses.values()]
+        known = [v for v in found if v is not None]
+        return max(known) if known else None
+
     def _adapter(self, m: Member) -> Adapter:
         key = m.spec.model_dump_json()
         hit = self._adapters.get(m.name)

@@ -5,6 +5,8 @@ with round ids (`X-Weightsync-Round`)."""
 
 from __future__ import annotations
 
+import re
+import time
 from typing import Any, Mapping
 
 import requests
@@ -16,6 +18,7 @@ from ..interfaces import Adapter, Endpoint, EngineStatus
 
 
 ROUND_HEADER = "X-Weightsync-Round"
+_OPEN_ROUND = re.compile(r"is open; this begin .* lease expires in ([0-9.]+)s")
 
 
 class ReferenceOptions(BaseModel):
@@ -64,8 +67,23 @@ class ReferenceAdapter(Adapter):
         self._post("/resume")
 
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
+        """Open a round. A round left open by a trainer that died (its lease still running)
+        is waited out, within the push's deadline, instead of failing the push: a restarted
+        trainer takes over once the old lease lapses."""
         self.round_id = None
-        body = self._post("/weightsync/begin", {**plan, "version": version, "lease": self.lease}) or {}
+        while True:
+            try:
+                body = self._post("/weightsync/begin",
+                                  {**plan, "version": version, "lease": self.lease}) or {}
+                break
+            except EngineError as e:
+                m = _OPEN_ROUND.search(e.detail)
+                if m is None or self.deadline is None:
+                    raise
+                wait = min(float(m.group(1)) + 0.1, self.deadline - time.monotonic() - 1.0)
+                if wait <= 0:
+                    raise
+                time.sleep(wait)        # the engine said when the old lease ends
         self.round_id = body.get("round")
 
     def renew(self) -> None:

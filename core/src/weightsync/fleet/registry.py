@@ -27,6 +27,8 @@ class RegistryOptions(BaseModel):
     trainer_key: str | None = Field(None, description="with `url`: the registry's trainer key "
                                                       "(reads engine keys, reports pushes)")
     trainer_key_file: str | None = Field(None, description="read the trainer key from this file")
+    state_file: str | None = Field(None, description="keep the fleet's version and digests in "
+                                                     "this file (a restarted trainer resumes them)")
     insecure: bool = Field(False, description="run the trainer's registry without a key "
                                               "(anyone who reaches it can join the fleet)")
     lease: float = Field(10.0, gt=0, le=3600, description="seconds a member stays without a heartbeat")
@@ -68,9 +70,16 @@ class RegistryFleet(Fleet):
         require_key(key, o.insecure)
         self.service = RegistryService(components, lease=o.lease, api_key=key,
                                        peer_join=o.peer_join, health_check=o.health_check,
-                                       default_adapter=default_adapter)
+                                       default_adapter=default_adapter, state_file=o.state_file)
         warn_if_open(o.host, key, "the fleet registry")
         self.url = self.service.start(o.host, o.port)
+
+    def version(self) -> int | None:
+        """The last version a push committed to the fleet, as the registry recorded it."""
+        if self.service is not None:
+            return self.service.roster.current
+        assert self.client is not None
+        return self.client.fleet().get("version")
 
     def members(self) -> list[Member]:
         if self.service is not None:
@@ -107,8 +116,7 @@ class RegistryFleet(Fleet):
 
     def synced(self, version: int, versions: Any) -> None:
         if self.service is not None:
-            self.service.roster.synced(version, dict(versions))
-            self.service.catchup.poke()
+            self.service.synced(version, dict(versions))
         elif self.client is not None:
             pending = getattr(self, "_anchor", None)
             anchor = pending[1] if pending and pending[0] == version else None

@@ -21,8 +21,11 @@ with the trainer key reads the keys or reports a push."""
 from __future__ import annotations
 
 import hmac
+import json
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -42,12 +45,13 @@ class RegistryService:
     def __init__(self, components: Any, *, lease: float = 10.0, api_key: str | None = None,
                  peer_join: bool = True, health_check: bool = True,
                  default_adapter: ComponentRef | None = None, peer_ttl: float = 600.0,
-                 trainer_key: str | None = None) -> None:
+                 trainer_key: str | None = None, state_file: str | None = None) -> None:
         self.components = components
         self.roster = Roster(lease)
         self.api_key = api_key
         self.trainer_key = trainer_key           # reads engine keys, reports pushes
         self.anchors: dict[int, list[Any]] = {}  # version -> the trainer's [[names], digest]s
+        self.state_file = Path(state_file) if state_file else None
         self.health_check = health_check
         self.default_adapter = default_adapter or ComponentRef(kind="reference")
         self.adapters: dict[str, tuple[tuple, Adapter]] = {}
@@ -55,6 +59,7 @@ class RegistryService:
         self.catchup = CatchUp(self, enabled=peer_join, ttl=peer_ttl)
         self.server: Server | None = None
         self.url: str | None = None
+        self._load_state()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -92,7 +97,7 @@ class RegistryService:
             self.adapters[m.reg.name] = (key, a)
             return a
 
-    def set_anchor(self, version: int, buckets: Any) -> None:
+    def set_anchor(self, version: int, buckets: Any, save: bool = True) -> None:
         """The trainer's digests for `version` (per bucket: tensor names, digest): what a peer
         join checks its bytes against. The last few versions are kept."""
         if not isinstance(buckets, list) or not all(
@@ -104,6 +109,45 @@ class RegistryService:
             self.anchors[int(version)] = [[list(b[0]), b[1]] for b in buckets]
             for old in sorted(self.anchors)[:-4]:
                 del self.anchors[old]
+        if save:
+            self._save_state()
+
+    # -- what outlives a restart: the fleet's version and the trainer's digests ---------------
+    def _load_state(self) -> None:
+        """The fleet's version and digests from `state_file` (members register again at their
+        next heartbeat, with the versions they hold: the roster itself is not kept)."""
+        if self.state_file is None or not self.state_file.exists():
+            return
+        try:
+            raw = json.loads(self.state_file.read_text())
+            version = raw.get("version")
+            anchors = {int(k): v for k, v in (raw.get("anchors") or {}).items()}
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            raise WeightSyncError(f"fleet state file {self.state_file} is unreadable ({e}); "
+                                  f"move it away to start with an empty fleet") from None
+        self.roster.current = int(version) if isinstance(version, int) else None
+        for v, buckets in anchors.items():
+            self.set_anchor(v, buckets, save=False)
+        log.info("fleet state from %s: version %s", self.state_file, self.roster.current)
+
+    def _save_state(self) -> None:
+        if self.state_file is None:
+            return
+        with self.lock:
+            data = {"version": self.roster.current,
+                    "anchors": {str(k): v for k, v in self.anchors.items()}}
+        tmp = self.state_file.with_name(self.state_file.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.state_file)
+
+    def synced(self, version: int, versions: dict[str, int | None],
+               anchor: list[Any] | None = None) -> None:
+        """What a push did (and its digests, for peer joins); kept on disk with `state_file`."""
+        if anchor is not None:
+            self.set_anchor(version, anchor, save=False)
+        self.roster.synced(version, versions)
+        self._save_state()
+        self.catchup.poke()
 
     def is_trainer(self, got: str | None) -> bool:
         return bool(self.trainer_key) and isinstance(got, str) and hmac.compare_digest(
@@ -230,9 +274,6 @@ def _synced(h: Any, q: dict) -> Any:
     versions = body.get("versions") or {}
     if not isinstance(versions, dict):
         raise HttpError(400, "versions must map member names to versions")
-    if body.get("anchor") is not None:
-        h.service.set_anchor(int(body["version"]), body["anchor"])
-    h.service.roster.synced(int(body["version"]), {str(k): (None if v is None else int(v))
-                                                   for k, v in versions.items()})
-    h.service.catchup.poke()
+    h.service.synced(int(body["version"]), {str(k): (None if v is None else int(v))
+                                            for k, v in versions.items()}, body.get("anchor"))
     return {"ok": True}

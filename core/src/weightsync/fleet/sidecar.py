@@ -79,7 +79,8 @@ def run_registry(args: Any) -> int:
         print("note: no trainer key (--trainer-key-file or $WEIGHTSYNC_FLEET_TRAINER_KEY): "
               "no trainer can read the members' engine keys from this registry", flush=True)
     service = RegistryService(load_components(), lease=args.lease, api_key=key,
-                              peer_join=not args.no_peer_join, trainer_key=trainer)
+                              peer_join=not args.no_peer_join, trainer_key=trainer,
+                              state_file=args.state_file)
     warn_if_open(args.host, key, "the fleet registry")
     url = service.start(args.host, args.port)
     print(f"weightsync fleet registry serving on {url}", flush=True)
