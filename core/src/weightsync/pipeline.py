@@ -355,6 +355,10 @@ class WeightSync:
         self.encoding.commit(version)
         self.last_version = version
         report.published = True
+        try:
+            self.fleet.synced(version, {})       # a registry records the published version
+        except WeightSyncError as e:
+            log.warning("telling the fleet about version %d failed: %s", version, e)
 
 
 __all__ = ["WeightSync"]

@@ -175,7 +175,7 @@ class Roster:
 
     def synced(self, version: int, versions: dict[str, int | None]) -> None:
         with self.lock:
-            if any(v == version for v in versions.values()):
+            if not versions or any(v == version for v in versions.values()):   # none: published
                 self.current = max(self.current or 0, version)
             for name, v in versions.items():
                 m = self.members.get(name)
