@@ -20,21 +20,19 @@ from __future__ import annotations
 
 import hmac
 import http.client
-import ipaddress
 import json
 import logging
-import os
 import socket
 import threading
 import traceback
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlparse
 
 from .errors import PayloadError, WeightSyncError
 from .httpguard import HeadGuard, HeadReader
+from .keys import is_loopback, resolve_key, warn_if_open  # noqa: F401 - their old home
 
 log = logging.getLogger("weightsync.http")
 MiB = 2**20
@@ -71,40 +69,6 @@ class Routes:
             self.table[(method, path)] = Route(fn, auth, max_body)
             return fn
         return deco
-
-
-def resolve_key(key: str | None = None, key_file: str | None = None,
-                env: str = "WEIGHTSYNC_API_KEY") -> str | None:
-    """The API key from (in order) the argument, a file, or the environment variable."""
-    if key:
-        return key
-    if key_file:
-        text = Path(key_file).read_text().strip()
-        if not text:
-            raise ValueError(f"API key file {key_file} is empty")
-        return text
-    return os.environ.get(env) or None
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except OSError:
-            return False
-
-
-def warn_if_open(host: str, key: str | None, what: str) -> None:
-    if not key and not is_loopback(host):
-        msg = (f"WARNING: {what} listens on {host} without an API key: anyone who can reach this "
-               f"address can change its weights. Set --api-key-file or WEIGHTSYNC_API_KEY, or bind "
-               f"to 127.0.0.1.")
-        log.warning(msg)
-        print(msg, flush=True)
 
 
 class BodyStream:
