@@ -9,8 +9,8 @@ Every call is bounded by the push's deadline; leases of rounds and pauses are re
 thread while the round runs; an engine that fails at any stage is dropped, aborted if it began,
 and resumed if it was paused, while the others go on. No engine waits for another while it is
 paused: each is resumed as soon as its own commit returns, and the calls to an engine being
-dropped (abort) run beside the round, awaited only once every live engine is serving again. Nothing here knows an endpoint or a wire
-format: adapters, transports and encodings do."""
+dropped (abort) run beside the round, awaited only once every live engine is serving again.
+Nothing here knows an endpoint or a wire format: adapters, transports and encodings do."""
 
 from __future__ import annotations
 

@@ -123,8 +123,9 @@ class Shares:
                                      f"version {version} now: ask the registry for a peer again")
             what = "manifest" if index is None else index
             if what in share.used:
-                raise HttpError(401, f"this share token already served {'the manifest' if index is None else f'bucket {index}'}: "
-                                     f"a share serves one pull")
+                name = "the manifest" if index is None else f"bucket {index}"
+                raise HttpError(401, f"this share token already served {name}: a share serves "
+                                     f"one pull")
             share.used.add(what)
 
     def served_all(self, token: str | None, buckets: int) -> None:
