@@ -209,8 +209,10 @@ class Round:
             t = self.paused.pop(a.engine_name, None)
         if t is None:
             return
+        t0 = time.monotonic()
         try:
             _resume(a)
+            self._longest("resume", time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - logged; a leased pause ends by itself
             log.warning("engine %s did not resume: %s (a leased pause ends by itself)",
                         a.engine_name, e)
@@ -224,8 +226,12 @@ class Round:
         """Engines this round paused and did not resume yet (dropped, or the round failed)."""
         adapters = [a for a in self._all if a.engine_name in self.paused]
         if adapters:
-            with self.clock.timed("resume"):
-                self.calls.each(adapters, self._resume_one)
+            self.calls.each(adapters, self._resume_one)
+
+    def _longest(self, stage: str, seconds: float) -> None:
+        """A stage that runs per engine, in parallel: the report shows the longest."""
+        with self.clock.lock:
+            self.clock.stages[stage] = max(self.clock.stages.get(stage, 0.0), seconds)
 
     def _land(self, a: Adapter, version: int) -> None:
         """Pause (unless paused already), commit and resume one engine, on its own: no engine
@@ -236,6 +242,7 @@ class Round:
                 a.pause(self.settings.pause_mode or a.pause_modes[0])
             except BaseException as e:
                 raise _Failed("pause", e) from e
+            self._longest("pause", time.monotonic() - t)
             with self.lock:
                 self.paused[a.engine_name] = t
             self.renewer.add([a])
