@@ -50,7 +50,8 @@ def test_to_json_field_by_field(tmp_path: Path) -> None:
     assert set(o) == OUTCOME_FIELDS
     assert 0 < o["pause_window"] == d["pause_window"]      # one engine: its window is the push's
     assert o == {"engine": "e", "ok": True, "version": 1, "stage": None, "error": None,
-                 "seconds": o["seconds"], "status": "verified", "caught_up": False}
+                 "seconds": o["seconds"], "status": "verified", "caught_up": False,
+                 "pause_window": o["pause_window"]}
     assert 0 < o["seconds"] <= d["seconds"]["total"]
     back = SyncReport.from_json(d)
     assert back.to_json() == d
