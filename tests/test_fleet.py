@@ -80,7 +80,7 @@ def test_an_elastic_fleet_stays_on_the_trainers_weights(model_dir: Path, vllm_se
     from weightsync.config import EngineSpec
     spec = EngineSpec(**vllm_server.spec())
     vl = VllmAdapter(VllmOptions(**spec.options), spec)
-    vl.load_from_disk(str(model_dir), 0)                 # every run starts from the checkpoint
+    vl.load_from_disk(str(model_dir), 0, allow_older=True)   # every run starts from the checkpoint
     enc: Any = "raw" if encoding == "raw" else {"kind": "delta",
                                                 "options": {"base_checkpoint": str(model_dir)}}
     cfg = {"fleet": {"kind": "registry", "options": {"lease": 2.0, "api_key": KEY}},

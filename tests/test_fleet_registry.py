@@ -186,7 +186,6 @@ def test_a_peer_serving_corrupted_bytes_is_caught_and_nothing_bad_is_committed(t
             good = start("z-good")
             hidden = start("bad", register=False)           # behind the corrupting proxy
             proxy = CorruptingProxy(hidden.url)
-            reg.register({"name": "a-bad", "url": proxy.url})
             from weightsync.fleet.member import Membership
             keep = Membership(url, KEY, {"name": "a-bad", "url": proxy.url}, lambda: hidden.health()["version"])
             keep.start()

@@ -20,7 +20,8 @@ from weightsync.testing.sample import perturb, sample_state_dict, write_weights_
 FIELDS = {"version", "verified", "logical_bytes", "wire_bytes", "buckets", "tensors", "seconds",
           "pause_window", "engines", "digests", "density", "published", "rank", "joined", "left",
           "excluded", "ok"}
-OUTCOME_FIELDS = {"engine", "ok", "version", "stage", "error", "seconds", "status", "caught_up"}
+OUTCOME_FIELDS = {"engine", "ok", "version", "stage", "error", "seconds", "status", "caught_up",
+                  "pause_window"}
 
 
 def test_to_json_field_by_field(tmp_path: Path) -> None:
@@ -47,8 +48,10 @@ def test_to_json_field_by_field(tmp_path: Path) -> None:
     assert d["joined"] == [] and d["left"] == [] and d["excluded"] == {}
     o = d["engines"]["e"]
     assert set(o) == OUTCOME_FIELDS
+    assert 0 < o["pause_window"] == d["pause_window"]      # one engine: its window is the push's
     assert o == {"engine": "e", "ok": True, "version": 1, "stage": None, "error": None,
-                 "seconds": o["seconds"], "status": "verified", "caught_up": False}
+                 "seconds": o["seconds"], "status": "verified", "caught_up": False,
+                 "pause_window": o["pause_window"]}
     assert 0 < o["seconds"] <= d["seconds"]["total"]
     back = SyncReport.from_json(d)
     assert back.to_json() == d

@@ -18,11 +18,14 @@ class TestRegistryFleet(FleetContract):
     def fleet_config(self, tmp_path: Path) -> dict[str, Any]:
         return {"kind": "registry", "options": {"api_key": KEY, "lease": 5}}
 
+    credentials: dict[str, str] = {}
+
     def add_member(self, sync: WeightSync, name: str, engine: EngineProcess) -> None:
-        RegistryClient(sync.fleet_url, KEY).register({"name": name, "url": engine.url})
+        out = RegistryClient(sync.fleet_url, KEY).register({"name": name, "url": engine.url})
+        self.credentials[name] = out["credential"]        # a member acts only as itself
 
     def remove_member(self, sync: WeightSync, name: str) -> None:
-        RegistryClient(sync.fleet_url, KEY).deregister(name)
+        RegistryClient(sync.fleet_url, KEY).deregister(name, self.credentials.pop(name))
 
 
 def test_static_fleet_is_the_engines_list() -> None:

@@ -254,6 +254,13 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8200, help="port to listen on")
     _key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")
+    sp.add_argument("--trainer-key-file", default=None,
+                    help="the trainer's key (or $WEIGHTSYNC_FLEET_TRAINER_KEY): only it reads the "
+                         "members' engine keys and reports pushes")
+    sp.add_argument("--state-file", default=None,
+                    help="keep the fleet's version and digests in this file across restarts")
+    sp.add_argument("--insecure", action="store_true",
+                    help="serve without a fleet key (anyone who reaches it can join)")
     sp.add_argument("--lease", type=float, default=10.0, help="seconds a member stays without a heartbeat")
     sp.add_argument("--no-peer-join", action="store_true", help="members behind wait for the next push")
     sp.set_defaults(fn=_fleet_serve)

@@ -4,9 +4,11 @@ network needs.
 
 - The API key is checked from the headers before any body is read; a body's Content-Length is
   checked against the route's cap before anything is allocated (413), and the body is read in
-  chunks into memory that grows with what actually arrives.
-- Every connection has a socket timeout (slow or idle clients are dropped), and the number of
-  connections served at once is capped (503 beyond it).
+  chunks into memory that grows with what actually arrives (never allocated whole up front).
+- A request head has a byte cap and an absolute deadline, and clients that have not shown a key
+  cannot hold the service: the oldest slow head is closed when new clients arrive
+  (`weightsync.httpguard`). Every connection has a socket timeout (idle clients are dropped),
+  and the number of connections is capped (503 beyond it).
 - Any malformed request (bad header, non-ASCII key, bad JSON, bad length) is a 4xx, never a 500.
 - Keys come from the command line, an environment variable or a file; a server bound to a
   non-loopback address without a key says so loudly at start.
@@ -17,20 +19,20 @@ dict result is sent as JSON and bytes as application/octet-stream."""
 from __future__ import annotations
 
 import hmac
-import ipaddress
+import http.client
 import json
 import logging
-import os
 import socket
 import threading
 import traceback
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlparse
 
 from .errors import PayloadError, WeightSyncError
+from .httpguard import HeadGuard, HeadReader
+from .keys import is_loopback, resolve_key, warn_if_open  # noqa: F401 - their old home
 
 log = logging.getLogger("weightsync.http")
 MiB = 2**20
@@ -69,40 +71,6 @@ class Routes:
         return deco
 
 
-def resolve_key(key: str | None = None, key_file: str | None = None,
-                env: str = "WEIGHTSYNC_API_KEY") -> str | None:
-    """The API key from (in order) the argument, a file, or the environment variable."""
-    if key:
-        return key
-    if key_file:
-        text = Path(key_file).read_text().strip()
-        if not text:
-            raise ValueError(f"API key file {key_file} is empty")
-        return text
-    return os.environ.get(env) or None
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except OSError:
-            return False
-
-
-def warn_if_open(host: str, key: str | None, what: str) -> None:
-    if not key and not is_loopback(host):
-        msg = (f"WARNING: {what} listens on {host} without an API key: anyone who can reach this "
-               f"address can change its weights. Set --api-key-file or WEIGHTSYNC_API_KEY, or bind "
-               f"to 127.0.0.1.")
-        log.warning(msg)
-        print(msg, flush=True)
-
-
 class BodyStream:
     """`read_into(view)` over one request body: reads at most what is left of it, and keeps the
     handler's count of unread bytes current (so an error mid-body drains or closes)."""
@@ -124,8 +92,10 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.1"  # even a garbage request line gets a status line back
     disable_nagle_algorithm = True
-    timeout = 15.0                       # seconds for a request line and headers (and idle keep-alive)
+    timeout = 15.0                       # seconds any one read of a head may wait (and idle keep-alive)
     body_timeout = 120.0                 # seconds any one read of a body may wait
+    head_bytes = 64 * 1024               # request line and headers together
+    proven = False                       # showed the key (or got an answer): never evicted
     routes: Routes
     api_key: str | None = None
     name = "weightsync"
@@ -157,25 +127,13 @@ class Handler(BaseHTTPRequestHandler):
         self._length = 0                 # read once
         if n == 0:
             return memoryview(b"")
-        if n <= 64 * MiB:
-            buf = bytearray(n)
-            view = memoryview(buf)
-            got = 0
-            while got < n:
-                k = self.rfile.readinto(view[got:])
-                if not k:
-                    raise HttpError(400, f"request body ended after {got} of {n} bytes")
-                got += k
-            return view
-        parts: list[bytes] = []
-        got = 0
-        while got < n:
-            chunk = self.rfile.read(min(16 * MiB, n - got))
+        buf = bytearray()
+        while len(buf) < n:             # grows with what arrives, never with what is announced
+            chunk = self.rfile.read1(min(4 * MiB, n - len(buf)))
             if not chunk:
-                raise HttpError(400, f"request body ended after {got} of {n} bytes")
-            parts.append(chunk)
-            got += len(chunk)
-        return memoryview(b"".join(parts))
+                raise HttpError(400, f"request body ended after {len(buf)} of {n} bytes")
+            buf += chunk
+        return memoryview(buf)
 
     def body_reader(self) -> "BodyStream":
         """The request body as a stream (`read_into(view)`), never past its Content-Length;
@@ -241,7 +199,31 @@ class Handler(BaseHTTPRequestHandler):
         except (TypeError, ValueError):
             return False
 
+    # -- connections --------------------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = HeadReader(self.rfile, self.head_bytes)  # type: ignore[assignment]
+
+    def handle_one_request(self) -> None:
+        """One request, its head under the guard: capped bytes, an absolute deadline."""
+        self.rfile.start_head()  # type: ignore[attr-defined]
+        self.server.guard.started(self)  # type: ignore[attr-defined]
+        self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
+        try:
+            super().handle_one_request()
+        except http.client.LineTooLong as e:      # the request line alone: 414
+            status = 431 if self.requestline else 414
+            self.send_error(status, f"{e}; send at most {self.head_bytes} bytes of head")
+        finally:
+            self.server.guard.ended(self)  # type: ignore[attr-defined]
+            self.rfile.end_head()  # type: ignore[attr-defined]
+
     def _dispatch(self, method: str) -> None:
+        self.server.guard.ended(self)  # type: ignore[attr-defined]
+        self.rfile.end_head()  # type: ignore[attr-defined]
+        if getattr(self, "dropped", False):
+            self.close_connection = True
+            return
         url = urlparse(self.path)
         route = self.routes.table.get((method, url.path))
         self.connection.settimeout(self.body_timeout)
@@ -253,12 +235,16 @@ class Handler(BaseHTTPRequestHandler):
             if route.auth and not self.authorized():
                 self.discard_body()
                 raise HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+            if route.auth and self.api_key:
+                self.proven = True
             cap = route.cap()
             if self._length > cap:
                 self.close_connection = True
                 raise HttpError(413, f"a body of {self._length} bytes is over this route's limit "
                                      f"of {cap} bytes")
             result = route.fn(self, parse_qs(url.query))
+            if not self.api_key:
+                self.proven = True       # no key to show: an answered request proves enough
             if self._length:
                 self.discard_body()      # a route that ignored its body
             if isinstance(result, (bytes, bytearray, memoryview)):
@@ -317,10 +303,15 @@ class Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], handler: type[Handler], max_connections: int = 64) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[Handler], max_connections: int = 64,
+                 head_deadline: float = 10.0) -> None:
         super().__init__(address, handler)
-        self.slots = threading.BoundedSemaphore(max_connections)
+        # threads are bounded by `slots`; unproven heads by the guard (which makes room by
+        # closing the oldest), so slow clients cannot take the slots of new ones
+        self.slots = threading.BoundedSemaphore(4 * max_connections)
         self.max_connections = max_connections
+        self.guard = HeadGuard(max_connections, head_deadline)
+        self.open_conns: set[Any] = set()        # closed with the server: no keep-alive outlives it
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -343,19 +334,35 @@ class Server(ThreadingHTTPServer):
             return
         log.error("serving %s failed:\n%s", client_address, traceback.format_exc())
 
+    def server_close(self) -> None:
+        self.guard.close()
+        super().server_close()
+        with self.guard.lock:
+            conns, self.open_conns = list(self.open_conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self.guard.lock:
+            self.open_conns.add(request)
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self.guard.lock:
+                self.open_conns.discard(request)
             self.slots.release()
 
 
 def make_server(routes: Routes, host: str, port: int, *, api_key: str | None, name: str,
                 state: dict[str, Any] | None = None, max_connections: int = 64,
-                header_timeout: float = 15.0, body_timeout: float = 120.0) -> Server:
+                header_timeout: float = 15.0, body_timeout: float = 120.0,
+                head_deadline: float = 10.0) -> Server:
     """A server for `routes`; `state` becomes attributes of the handler class (the engine, the
     registry), so routes reach them as `h.engine`, `h.registry`."""
     attrs = {"routes": routes, "api_key": api_key, "name": name, "timeout": header_timeout,
              "body_timeout": body_timeout, **(state or {})}
     handler = type(f"{name.title().replace(' ', '')}Handler", (Handler,), attrs)
-    return Server((host, port), handler, max_connections)
+    return Server((host, port), handler, max_connections, head_deadline)

@@ -136,6 +136,19 @@ class WeightSync:
     def record_gap(self, engine: str, version: int, mean: float, max_: float) -> None:
         """Record the train–inference gap of rollouts (metrics file and Prometheus)."""
         self.metrics.record_gap(engine, version, mean, max_)
+    def fleet_version(self) -> int | None:
+        """The newest version the fleet holds (None: nothing pushed yet): what a trainer that
+        restarted pushes above. The highest of the version the fleet recorded (a registry, kept
+        on disk with `state_file`) and the versions its members' engines report."""
+        recorded = getattr(self.fleet, "version", None)
+        found = [recorded()] if callable(recorded) else []
+        engines = self.members()
+        clock = Clock(self.settings.deadline)
+        self._bound(engines, clock)
+        statuses, _ = Calls(self._pool, clock).each(engines, lambda a: a.health())
+        found += [s.version for s in statuses.values()]
+        known = [v for v in found if v is not None]
+        return max(known) if known else None
 
     def _adapter(self, m: Member) -> Adapter:
         key = m.spec.model_dump_json()
@@ -211,6 +224,7 @@ class WeightSync:
         report = SyncReport(version=version)
         clock = Clock(self.settings.deadline)
         self._announced, self._passes, self._passes_run = False, 0, 0
+        self._anchor: list[list[Any]] = []     # [[names], digest] per bucket of this push
         try:
             if self.transport.publish_only:
                 self._announce(1)
@@ -300,6 +314,9 @@ class WeightSync:
         report.verified = bool(report.engines) and all(o.status == "verified"
                                                        for o in report.engines.values())
         try:
+            anchor = getattr(self.fleet, "anchor", None)     # fleets that serve peer joins
+            if anchor is not None and self._anchor and any(o.ok for o in report.engines.values()):
+                anchor(version, self._anchor)
             self.fleet.synced(version, report.versions())
         except WeightSyncError as e:
             log.warning("telling the fleet about version %d failed: %s", version, e)
@@ -325,6 +342,7 @@ class WeightSync:
         done = rnd.run(model, name_map, engines, mode=mode, count=count)
         if count:
             report.digests = dict(rnd.digests)
+            self._anchor = [[stream.names.get(i, []), d] for i, d in sorted(rnd.digests.items())]
         return done
 
     def _publish(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,
@@ -350,6 +368,10 @@ class WeightSync:
         self.encoding.commit(version)
         self.last_version = version
         report.published = True
+        try:
+            self.fleet.synced(version, {})       # a registry records the published version
+        except WeightSyncError as e:
+            log.warning("telling the fleet about version %d failed: %s", version, e)
 
 
 __all__ = ["WeightSync"]

@@ -21,6 +21,7 @@ class EngineOutcome:
     status: Status | None = None        # verified | acknowledged | failed (None: not reached)
     caught_up: bool = False             # brought from an older version with whole tensors
     probe: dict[str, Any] | None = None # the probe's |Δ logprob| (mean, max) and the version scored
+    pause_window: float = 0.0           # seconds this sync kept the engine paused (0: never, or no answer)
 
     def fail(self, stage: str, error: str) -> None:
         self.ok, self.stage, self.error, self.status = False, stage, error, "failed"
@@ -35,7 +36,7 @@ class SyncReport:
     buckets: int = 0
     tensors: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
-    pause_window: float = 0.0           # longest time any engine was paused by this sync
+    pause_window: float = 0.0           # longest time a live engine was paused by this sync
     engines: dict[str, EngineOutcome] = field(default_factory=dict)
     digests: dict[int, str] = field(default_factory=dict)
     density: float | None = None        # changed elements / elements, for delta encodings

@@ -2,12 +2,15 @@
 
     pause (engines that apply as they receive, or every engine with `pause: sync`)
     begin -> stream -> finish -> end (digests) -> verify
-    pause (the others: only now) -> commit -> resume -> confirm (acknowledging adapters)
+    per engine, on its own: pause (the others: only now) -> commit -> resume
+    confirm (acknowledging adapters)
 
 Every call is bounded by the push's deadline; leases of rounds and pauses are renewed on a side
 thread while the round runs; an engine that fails at any stage is dropped, aborted if it began,
-and resumed if it was paused, while the others go on. Nothing here knows an endpoint or a wire
-format: adapters, transports and encodings do."""
+and resumed if it was paused, while the others go on. No engine waits for another while it is
+paused: each is resumed as soon as its own commit returns, and the calls to an engine being
+dropped (abort) run beside the round, awaited only once every live engine is serving again.
+Nothing here knows an endpoint or a wire format: adapters, transports and encodings do."""
 
 from __future__ import annotations
 
@@ -138,6 +141,14 @@ def _resume(adapter: Adapter, attempts: int = 4, backoff: float = 0.25) -> None:
             time.sleep(backoff * 2 ** k)
 
 
+class _Failed(Exception):
+    """An engine's call failed at `stage` (pause or commit) of its own landing."""
+
+    def __init__(self, stage: str, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.stage, self.error = stage, error
+
+
 class Round:
     """One round over `engines` (see the module docstring)."""
 
@@ -150,6 +161,8 @@ class Round:
         self.begun: set[str] = set()
         self.paused: dict[str, float] = {}            # engine -> when its pause began
         self.digests: dict[int, str] = {}             # the sender's, per bucket of this round
+        self.lock = threading.Lock()
+        self.aborts: list[Any] = []                   # aborts of dropped engines, in flight
 
     # -- bookkeeping --------------------------------------------------------------------------
     def drop(self, active: list[Adapter], failures: Mapping[str, BaseException], stage: str
@@ -163,33 +176,84 @@ class Round:
             o.seconds = self.clock.since()
             log.info("engine %s failed at %s: %s", a.engine_name, stage, failures[a.engine_name])
         self.renewer.remove(dropped)
-        begun = [a for a in dropped if a.engine_name in self.begun]
-        if begun:
-            self.calls.each(begun, lambda a: a.abort())   # best effort: a dead engine cannot answer
+        self._abort_beside([a for a in dropped if a.engine_name in self.begun])
         return [a for a in active if a.engine_name not in failures]
+
+    def _abort_beside(self, adapters: Sequence[Adapter]) -> None:
+        """Abort these engines' rounds without waiting (a hung engine must not hold the live
+        ones paused); `_settle` awaits the answers at the end of the round. Best effort: a dead
+        engine cannot answer, and its round lease ends it anyway."""
+        for a in adapters:
+            self.begun.discard(a.engine_name)
+            self.aborts.append(self.calls.pool.submit(a.abort))
+
+    def _settle(self) -> None:
+        if self.aborts:
+            wait(self.aborts, timeout=self.clock.left())
+            self.aborts = []
 
     def _pause(self, adapters: list[Adapter], mode: str | None) -> dict[str, BaseException]:
         t = time.monotonic()
         _, fails = self.calls.each(adapters, lambda a: a.pause(mode or a.pause_modes[0]))
-        for a in adapters:
-            if a.engine_name not in fails:
-                self.paused[a.engine_name] = t
+        with self.lock:
+            for a in adapters:
+                if a.engine_name not in fails:
+                    self.paused[a.engine_name] = t
         self.renewer.add([a for a in adapters if a.engine_name not in fails])
         return fails
 
-    def _resume_all(self) -> None:
-        names = set(self.paused)
-        adapters = [a for a in self._all if a.engine_name in names]
-        if not adapters:
+    def _resume_one(self, a: Adapter) -> None:
+        """Resume `a` if this round paused it; its pause window counts only when it answered
+        (a dead engine's resume retries say nothing about how long a live one stood still)."""
+        with self.lock:
+            t = self.paused.pop(a.engine_name, None)
+        if t is None:
             return
-        with self.clock.timed("resume"):
-            _, fails = self.calls.each(adapters, _resume)
-        now = time.monotonic()
-        for name, t in self.paused.items():
-            self.report.pause_window = max(self.report.pause_window, now - t)
-        for name, err in fails.items():
-            log.warning("engine %s did not resume: %s (a leased pause ends by itself)", name, err)
-        self.paused.clear()
+        t0 = time.monotonic()
+        try:
+            _resume(a)
+            self._longest("resume", time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - logged; a leased pause ends by itself
+            log.warning("engine %s did not resume: %s (a leased pause ends by itself)",
+                        a.engine_name, e)
+            return
+        window = time.monotonic() - t
+        with self.lock:
+            self.report.engines[a.engine_name].pause_window = window
+            self.report.pause_window = max(self.report.pause_window, window)
+
+    def _resume_all(self) -> None:
+        """Engines this round paused and did not resume yet (dropped, or the round failed)."""
+        adapters = [a for a in self._all if a.engine_name in self.paused]
+        if adapters:
+            self.calls.each(adapters, self._resume_one)
+
+    def _longest(self, stage: str, seconds: float) -> None:
+        """A stage that runs per engine, in parallel: the report shows the longest."""
+        with self.clock.lock:
+            self.clock.stages[stage] = max(self.clock.stages.get(stage, 0.0), seconds)
+
+    def _land(self, a: Adapter, version: int) -> None:
+        """Pause (unless paused already), commit and resume one engine, on its own: no engine
+        stays paused while another's call hangs."""
+        if a.engine_name not in self.paused:
+            t = time.monotonic()
+            try:
+                a.pause(self.settings.pause_mode or a.pause_modes[0])
+            except BaseException as e:
+                raise _Failed("pause", e) from e
+            self._longest("pause", time.monotonic() - t)
+            with self.lock:
+                self.paused[a.engine_name] = t
+            self.renewer.add([a])
+        try:
+            a.commit(version)
+        except BaseException as e:
+            self.renewer.remove([a])
+            self._resume_one(a)
+            raise _Failed("commit", e) from e
+        self.renewer.remove([a])
+        self._resume_one(a)
 
     # -- the round ----------------------------------------------------------------------------
     def run(self, model: Any, name_map: NameMap | None, engines: list[Adapter], *,
@@ -221,13 +285,12 @@ class Round:
             with clock.timed("finish"):
                 active = self.drop(active, self.transport.finish(active), "send")
             active = self._verify(active, version)
-            later = [a for a in active if a.engine_name not in self.paused]
-            if later:
-                with clock.timed("pause"):
-                    active = self.drop(active, self._pause(later, self.settings.pause_mode), "pause")
             with clock.timed("commit"):
-                _, fails = self.calls.each(active, lambda a: a.commit(version))
+                _, fails = self.calls.each(active, lambda a: self._land(a, version))
+            at_pause = {n: e.error for n, e in fails.items() if getattr(e, "stage", None) == "pause"}
+            active = self.drop(active, at_pause, "pause")
             self.begun -= {a.engine_name for a in active}
+            fails = {n: getattr(e, "error", e) for n, e in fails.items() if n not in at_pause}
             self._commit_failed(active, fails)
             active = [a for a in active if a.engine_name not in fails]
             for a in active:
@@ -236,13 +299,12 @@ class Round:
         except BaseException as e:
             for a in active:
                 self.report.engines[a.engine_name].fail("send", f"sync aborted: {type(e).__name__}: {e}")
-            if self.begun:
-                begun = [a for a in self._all if a.engine_name in self.begun]
-                self.calls.each(begun, lambda a: a.abort())
+            self._abort_beside([a for a in self._all if a.engine_name in self.begun])
             raise
         finally:
             self.renewer.remove(self._all)
             self._resume_all()
+            self._settle()
         self._confirm(active, version)
         for a in active:
             self.report.engines[a.engine_name].seconds = clock.since()

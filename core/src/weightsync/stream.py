@@ -58,6 +58,8 @@ class Stream:
         self.max_inflight, self.progress, self.timed = max_inflight, progress, timed
         self.key = key
         self.on_pass = on_pass or (lambda: None)   # counts exporter passes (multi-rank trainers)
+        self.names: dict[int, list[str]] = {}       # each bucket's tensors (with its digest: the
+                                                    # trainer's anchor for peer joins)
 
     def run(self, model: Any, name_map: NameMap | None, report: SyncReport, active: list[Adapter],
             drop: Callable[[list[Adapter], dict[str, BaseException], str], list[Adapter]],
@@ -117,6 +119,7 @@ class Stream:
                 sent += 1
                 report.wire_bytes += payload.wire_bytes
                 digests[payload.index] = payload.digest
+                self.names[payload.index] = [spec.name for spec in payload.specs]
                 if count:
                     report.buckets += 1
                     report.tensors += len(payload.specs)

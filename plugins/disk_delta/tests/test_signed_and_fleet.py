@@ -58,6 +58,13 @@ def test_signed_manifests_refuse_a_forged_version(tmp_path: Path) -> None:
     # without a key the agent does not check signatures (and still checks every digest)
     plain = Agent(root, tmp_path / "plain", None)
     assert plain.sync_local(1) == 1
+    # a signature does not prove freshness: a `latest` older than the fleet's version (a stale
+    # or rolled-back root, validly signed) is refused when the registry reports a newer one
+    fresh = Agent(root, tmp_path / "fresh", None, hmac_key=KEY.encode())
+    fresh.floor = lambda: 3
+    with pytest.raises(WeightSyncError, match="older than version 3 the fleet registry reports"):
+        fresh.sync_local()
+    assert fresh.local.version is None
 
 
 def test_an_agent_shows_its_host_in_the_fleet(tmp_path: Path) -> None:
@@ -90,3 +97,34 @@ def test_an_agent_shows_its_host_in_the_fleet(tmp_path: Path) -> None:
         finally:
             agent.terminate()
             agent.wait(30)
+
+
+def test_the_agent_signs_what_it_loads_into_an_engine_holding_the_key(tmp_path: Path) -> None:
+    """A reference engine with an HMAC key loads only signed checkpoints; the agent, which checked
+    every signed manifest, signs the local checkpoint it hands the engine."""
+    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync.config import EngineSpec
+    from weightsync.testing.engines import EngineProcess
+    from weightsync_disk_delta.testing import weights_only
+    tr = Trainer(tmp_path / "model")
+    served = weights_only(tmp_path / "model", tmp_path / "served")
+    root = tmp_path / "root"
+    keyfile = tmp_path / "hmac.key"
+    keyfile.write_text(KEY)
+    cfg = publish_config(root)
+    cfg["transport"]["options"]["hmac_key_file"] = str(keyfile)
+    with WeightSync.from_config(cfg) as sync:
+        tr.step()
+        assert sync.push(tr.state(), version=1).ok
+    with EngineProcess(served, log=tmp_path / "e.log", load_roots=[str(tmp_path)],
+                       extra_args=["--hmac-key-file", str(keyfile)]) as e:
+        adapter = ReferenceAdapter(None, EngineSpec(url=e.url))
+        try:
+            unsigned = Agent(root, tmp_path / "unsigned", adapter)      # holds no key: refused
+            with pytest.raises(WeightSyncError, match="is not signed"):
+                unsigned.step()
+            agent = Agent(root, tmp_path / "local", adapter, hmac_key=KEY.encode())
+            assert agent.step() == (1, 1)
+            assert e.health()["version"] == 1 and bit_equal(e.weights(), tr.state()) == []
+        finally:
+            adapter.close()

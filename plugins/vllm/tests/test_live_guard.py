@@ -99,7 +99,16 @@ def test_load_from_disk_only_below_the_load_roots(guarded: tuple[Live, Path, lis
     inside.mkdir()
     for f in live.model_dir.iterdir():
         (inside / f.name).write_bytes(f.read_bytes())
-    adapter.load_from_disk(str(inside), 101)
+    # the backend holds an HMAC key: only a checkpoint signed as that version loads
+    with pytest.raises(Exception, match="is not signed"):
+        adapter.load_from_disk(str(inside), 101)
+    assert live.weight_version() == before
+    from weightsync.signing import checkpoint_signature
+    with pytest.raises(Exception, match="signed as version 101, not 102"):
+        adapter.load_from_disk(str(inside), 102,
+                               signature=checkpoint_signature(HMAC.encode(), inside, 101))
+    adapter.load_from_disk(str(inside), 101,
+                           signature=checkpoint_signature(HMAC.encode(), inside, 101))
     assert live.weight_version() == "101"
     assert live.greedy() == served            # the served checkpoint again, whatever ran before
 

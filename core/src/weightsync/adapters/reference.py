@@ -5,10 +5,11 @@ with round ids (`X-Weightsync-Round`)."""
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
-import requests
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import EngineError, WeightSyncError
@@ -16,8 +17,8 @@ from ..httpclient import auth_headers, call, json_of, session_for
 from ..interfaces import Adapter, Endpoint, EngineStatus, LocalEngine
 from ..sampling import Gate, NotFitting, Sample, SamplingParams
 
-
 ROUND_HEADER = "X-Weightsync-Round"
+_OPEN_ROUND = re.compile(r"is open; this begin .* lease expires in ([0-9.]+)s")
 
 
 class ReferenceOptions(BaseModel):
@@ -68,8 +69,23 @@ class ReferenceAdapter(Adapter):
         self._post("/resume")
 
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
+        """Open a round. A round left open by a trainer that died (its lease still running)
+        is waited out, within the push's deadline, instead of failing the push: a restarted
+        trainer takes over once the old lease lapses."""
         self.round_id = None
-        body = self._post("/weightsync/begin", {**plan, "version": version, "lease": self.lease}) or {}
+        while True:
+            try:
+                body = self._post("/weightsync/begin",
+                                  {**plan, "version": version, "lease": self.lease}) or {}
+                break
+            except EngineError as e:
+                m = _OPEN_ROUND.search(e.detail)
+                if m is None or self.deadline is None:
+                    raise
+                wait = min(float(m.group(1)) + 0.1, self.deadline - time.monotonic() - 1.0)
+                if wait <= 0:
+                    raise
+                time.sleep(wait)        # the engine said when the old lease ends
         self.round_id = body.get("round")
 
     def renew(self) -> None:
@@ -104,9 +120,15 @@ class ReferenceAdapter(Adapter):
     def join_group(self, info: Mapping[str, Any]) -> None:
         self._post("/weightsync/join", dict(info), timeout=self.options.payload_timeout)
 
-    def load_from_disk(self, path: str, version: int) -> None:
-        self._post("/weightsync/load_from_disk", {"path": str(path), "version": int(version)},
-                   timeout=self.options.payload_timeout)
+    def load_from_disk(self, path: str, version: int, allow_older: bool = False,
+                       signature: Mapping[str, Any] | None = None) -> None:
+        """`allow_older`: an operator's rollback (the engine refuses to move back otherwise);
+        `signature`: weightsync.signing.checkpoint_signature, for an engine with an HMAC key."""
+        body: dict[str, Any] = {"path": str(path), "version": int(version),
+                                "allow_older": bool(allow_older)}
+        if signature is not None:
+            body["signature"] = dict(signature)
+        self._post("/weightsync/load_from_disk", body, timeout=self.options.payload_timeout)
 
     def share(self, token: str, ttl: float) -> dict[str, Any]:
         return self._post("/weightsync/peer/share", {"token": token, "ttl": ttl}) or {}

@@ -1,8 +1,10 @@
 """Catch-up by peer join, driven by the registry: a member that is behind the fleet's version
 (it registered late, or came back after a crash) pulls that version from a current member
 instead of waiting for the trainer. The registry picks the peer (the one serving fewest joiners),
-opens a share on it (a one-time token), and tells the joiner to pull; the joiner checks every
-digest and commits only a whole version. While it pulls, pushes skip it. If no peer can serve it
+opens a share on it (a one-time token), and tells the joiner to pull with the trainer's digests
+for the version (the anchor, from the push that made it); the joiner checks every tensor against
+them and commits only a whole version. A peer that lies is named in the member's error and the
+next peer is tried. While it pulls, pushes skip it. If no peer can serve it
 (none current, none able to serve, or every peer failed), it is marked `behind` and the next push
 sends it whole tensors."""
 
@@ -89,7 +91,12 @@ class CatchUp:
         tried: set[str] = set()
         errors = []
         try:
-            for _ in range(self.attempts):
+            anchor = self.service.anchors.get(version)
+            if anchor is None:
+                errors.append(f"the registry has no digests from the trainer for version "
+                              f"{version} (it restarted since that push); a peer join could "
+                              f"not be checked")
+            for _ in range(self.attempts if anchor is not None else 0):
                 with roster.lock:
                     joiner = roster.members.get(name)
                     peers = self._peers(name, version, tried)
@@ -103,7 +110,8 @@ class CatchUp:
                     token = new_token()
                     info = self.service.adapter(peer).share(token, self.ttl)
                     got = self.service.adapter(joiner).pull(
-                        {"url": peer.reg.url, "token": token, "source": info.get("source", "http")})
+                        {"url": peer.reg.url, "token": token, "source": info.get("source", "http"),
+                         "anchor": {"version": version, "buckets": anchor}})
                     with roster.lock:
                         joiner.version = got
                         joiner.pulled += 1

@@ -17,9 +17,12 @@ class RegistryError(WeightSyncError):
 
 
 class RegistryClient:
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0,
+                 trainer_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.headers = auth_headers(api_key)
+        if trainer_key:
+            self.headers["X-Weightsync-Trainer"] = trainer_key
         self.timeout = timeout
         self.session = requests.Session()
 
@@ -35,20 +38,30 @@ class RegistryClient:
                                 f"{r.status_code}: {error_text(r)}")
         return r.json() if r.content else {}
 
-    def register(self, registration: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/fleet/register", registration)
+    def register(self, registration: dict[str, Any], credential: str | None = None
+                 ) -> dict[str, Any]:
+        """Returns the registry's answer; its "credential" is what every later call about this
+        member must carry."""
+        body = dict(registration) | ({"credential": credential} if credential else {})
+        return self._call("POST", "/fleet/register", body)
 
-    def heartbeat(self, name: str, version: int | None = None) -> dict[str, Any]:
-        return self._call("POST", "/fleet/heartbeat", {"name": name, "version": version})
+    def heartbeat(self, name: str, version: int | None = None, credential: str | None = None
+                  ) -> dict[str, Any]:
+        return self._call("POST", "/fleet/heartbeat",
+                          {"name": name, "version": version, "credential": credential})
 
-    def deregister(self, name: str) -> None:
-        self._call("POST", "/fleet/deregister", {"name": name})
+    def deregister(self, name: str, credential: str | None = None) -> None:
+        self._call("POST", "/fleet/deregister", {"name": name, "credential": credential})
 
     def fleet(self) -> dict[str, Any]:
         return self._call("GET", "/fleet")
 
-    def synced(self, version: int, versions: dict[str, int | None]) -> None:
-        self._call("POST", "/fleet/synced", {"version": version, "versions": versions})
+    def synced(self, version: int, versions: dict[str, int | None],
+               anchor: list[Any] | None = None) -> None:
+        body: dict[str, Any] = {"version": version, "versions": versions}
+        if anchor is not None:
+            body["anchor"] = anchor
+        self._call("POST", "/fleet/synced", body)
 
     def close(self) -> None:
         self.session.close()

@@ -26,9 +26,12 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registered = False
+        self.credential: str | None = None       # this member's own, from the registry
 
     def register(self) -> dict[str, Any]:
-        out = self.client.register({**self.registration, "version": self.version()})
+        out = self.client.register({**self.registration, "version": self.version()},
+                                   self.credential)
+        self.credential = out.get("credential")
         self.every = max(0.2, float(out.get("lease", 3.0)) / 3)
         self.registered = True
         log.info("registered %s with the fleet registry %s (lease %.1fs)", self.name,
@@ -44,7 +47,7 @@ class Membership:
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             try:
-                self.client.heartbeat(self.name, self.version())
+                self.client.heartbeat(self.name, self.version(), self.credential)
             except RegistryError as e:
                 if "is not registered" in str(e):
                     try:
@@ -60,7 +63,7 @@ class Membership:
             self._thread.join(5)
         if self.registered:
             try:
-                self.client.deregister(self.name)
+                self.client.deregister(self.name, self.credential)
                 log.info("deregistered %s", self.name)
             except RegistryError as e:
                 log.warning("deregistering %s failed: %s", self.name, e)

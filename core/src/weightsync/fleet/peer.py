@@ -8,7 +8,17 @@ joining member fetches through a `PeerSource` (HTTP here; a plugin may register 
 manifest against a schema, stages every bucket through weightsync's receiver (names, shapes,
 dtypes against its own model; the digest of what it staged against the manifest's), and commits
 only when every bucket arrived and matched. A peer that serves other bytes is caught by digest and
-nothing is applied."""
+nothing is applied.
+
+The peer's own manifest proves only that the bytes arrived as the peer sent them. What anchors a
+join is the *trainer's* digests for the version (`anchor`: per bucket of its push, the tensor
+names and the digest of their final values, handed on by the registry): every staged tensor must
+match them, and a tensor the trainer never sends must equal the joiner's own. A peer that lies is
+named in the error and nothing is committed.
+
+A share token is bound to the version the peer held when the share opened and to one pull: the
+manifest once, each bucket once; it dies when the last bucket was served, the peer moves to
+another version, or its time to live runs out."""
 
 from __future__ import annotations
 
@@ -82,28 +92,48 @@ class Shares:
 
     bucket_bytes: int = 64 * 2**20
     key: bytes | None = None                      # the fleet's HMAC key: frames are signed
-    tokens: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, "_Share"] = field(default_factory=dict)
     served: int = 0                               # buckets served to joiners
     lock: threading.Lock = field(default_factory=threading.Lock)
     _manifest: tuple[int, dict[str, Any], list[list[str]]] | None = None
 
-    def open(self, token: str, ttl: float) -> None:
+    def open(self, token: str, ttl: float, version: int = -1) -> None:
+        """Accept `token` for one pull of `version` (the version held now) within `ttl` s."""
         if not (16 <= len(token) <= 256):
             raise PayloadError("a share token must be 16 to 256 characters")
         if not 0 < ttl <= 24 * 3600:
             raise PayloadError(f"share ttl {ttl:g}s is outside (0, 86400]")
         with self.lock:
             now = time.monotonic()
-            self.tokens = {t: e for t, e in self.tokens.items() if e > now}
-            self.tokens[token] = now + ttl
+            self.tokens = {t: e for t, e in self.tokens.items() if e.expires > now}
+            self.tokens[token] = _Share(now + ttl, int(version))
 
-    def check(self, token: str | None) -> None:
+    def check(self, token: str | None, version: int, index: int | None = None) -> None:
+        """Let `token` read the manifest (`index` None) or bucket `index` of `version` once."""
+        from ..httpserver import HttpError
         with self.lock:
-            exp = self.tokens.get(token or "")
-        if exp is None or exp < time.monotonic():
-            from ..httpserver import HttpError
-            raise HttpError(401, "missing, unknown or expired share token: ask the registry for "
-                                 "a peer again")
+            share = self.tokens.get(token or "")
+            if share is None or share.expires < time.monotonic():
+                self.tokens.pop(token or "", None)
+                raise HttpError(401, "missing, unknown, used or expired share token: ask the "
+                                     "registry for a peer again")
+            if share.version != version:
+                del self.tokens[token or ""]
+                raise HttpError(409, f"this share was for version {share.version}; the peer holds "
+                                     f"version {version} now: ask the registry for a peer again")
+            what = "manifest" if index is None else index
+            if what in share.used:
+                name = "the manifest" if index is None else f"bucket {index}"
+                raise HttpError(401, f"this share token already served {name}: a share serves "
+                                     f"one pull")
+            share.used.add(what)
+
+    def served_all(self, token: str | None, buckets: int) -> None:
+        """The token's pull has every bucket: it dies."""
+        with self.lock:
+            share = self.tokens.get(token or "")
+            if share is not None and sum(isinstance(u, int) for u in share.used) >= buckets:
+                del self.tokens[token or ""]
 
     def manifest(self, version: int, store: Any) -> dict[str, Any]:
         """The manifest of `store` at `version` (the caller holds the model lock)."""
@@ -150,6 +180,13 @@ class Shares:
         with self.lock:
             self.served += 1
         return frame(header, body)
+
+
+@dataclass
+class _Share:
+    expires: float
+    version: int
+    used: set[Any] = field(default_factory=set)      # "manifest" and bucket indexes served
 
 
 def new_token() -> str:
@@ -230,8 +267,48 @@ def pull(source: PeerSource, peer: Mapping[str, Any], session_for: Callable[[int
     if got != want:
         raise PayloadError(f"peer {peer['url']}: staged digests differ from the manifest's; "
                            f"nothing was applied")
+    check_anchor(peer, man.version, session)
     return man.version
 
 
-__all__ = ["FORMAT", "HttpPeerSource", "PeerManifest", "SHARE_HEADER", "Shares", "new_token",
-           "parse_manifest", "pull"]
+def check_anchor(peer: Mapping[str, Any], version: int, session: Any) -> None:
+    """What was staged against the trainer's digests for `version` (see the module docstring);
+    raises PayloadError naming the peer. Tensors of the model the trainer never sends must equal
+    the joiner's own (every member loaded them from the same checkpoint)."""
+    from ..bucket import digest_algo
+    anchor = peer.get("anchor")
+    if not isinstance(anchor, Mapping) or not isinstance(anchor.get("buckets"), list):
+        raise PayloadError("a peer join needs the trainer's digests for the version (anchor) "
+                           "from the registry; nothing was applied")
+    if anchor.get("version") != version:
+        raise PayloadError(f"peer {peer['url']} serves version {version}, but the trainer's "
+                           f"digests are for version {anchor.get('version')}; nothing was applied")
+    staged = session.staged
+    covered: set[str] = set()
+    bad: list[str] = []
+    for entry in anchor["buckets"]:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2
+                and isinstance(entry[0], list) and isinstance(entry[1], str)):
+            raise PayloadError("the trainer's digests (anchor) are malformed; nothing was applied")
+        names, digest = [str(n) for n in entry[0]], entry[1]
+        missing = [n for n in names if n not in staged]
+        if missing:
+            raise PayloadError(f"peer {peer['url']} did not serve tensor {missing[0]!r} of "
+                               f"version {version}; nothing was applied")
+        covered.update(names)
+        if digest_tensors([(n, staged[n]) for n in names], digest_algo(digest)) != digest:
+            bad.append(names[0])
+    for n, t in staged.items():
+        if n not in covered:
+            live = session.store.get(n)
+            if live is None or digest_tensors([(n, live.detach().cpu())], "xxh3") \
+                    != digest_tensors([(n, t.detach().cpu())], "xxh3"):
+                bad.append(n)
+    if bad:
+        raise PayloadError(f"peer {peer['url']} served other weights than the trainer pushed as "
+                           f"version {version} (tensors {bad[:5]!r} differ from the trainer's "
+                           f"digests)")
+
+
+__all__ = ["FORMAT", "HttpPeerSource", "PeerManifest", "SHARE_HEADER", "Shares", "check_anchor",
+           "new_token", "parse_manifest", "pull"]

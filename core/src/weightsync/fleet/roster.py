@@ -1,5 +1,11 @@
 """The registry's state: members, their leases, versions and states. Small on purpose: it is
-rebuilt from heartbeats when the registry restarts, so nothing here needs to outlive a process.
+rebuilt from registrations when the registry restarts (members register again at their next
+heartbeat), so nothing here needs to outlive a process.
+
+Every registration gets a credential of its own (a random token): heartbeats, updates and
+deregistering name the member *and* carry its credential, so holding the fleet key lets a process
+register itself, never act as another member. A name stays bound to its credential until the
+member deregisters or its lease lapses.
 
 States: `live` (in every push), `joining` (catching up from a peer; pushes skip it),
 `behind` (could not catch up from a peer; the next push sends it whole tensors),
@@ -7,7 +13,9 @@ States: `live` (in every push), `joining` (catching up from a peer; pushes skip 
 
 from __future__ import annotations
 
+import hmac
 import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,6 +67,11 @@ class MemberState:
     pulled: int = 0                          # times it caught up from a peer
     via: str | None = None                   # the peer it last pulled from
     serving: int = 0                         # joiners pulling from it now
+    credential: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+
+    def owns(self, credential: str | None) -> bool:
+        return isinstance(credential, str) and hmac.compare_digest(
+            credential.encode("utf-8", "surrogateescape"), self.credential.encode())
 
     def view(self, now: float) -> dict[str, Any]:
         return {"name": self.reg.name, "url": self.reg.url, "adapter": self.reg.adapter.kind,
@@ -78,31 +91,47 @@ class Roster:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
 
-    def check_name(self, reg: Registration) -> None:
-        """Refuse a name a live member at another URL holds (409)."""
+    def check_name(self, reg: Registration, credential: str | None = None) -> None:
+        """Refuse a name a live member holds (409), unless `credential` is that member's own
+        (it registers again, e.g. with a new URL after a restart)."""
         now = time.monotonic()
         with self.lock:
+            self.expire()
             old = self.members.get(reg.name)
-            if old is not None and old.state != "lapsed" and old.reg.url != reg.url:
+            if old is not None and old.state != "lapsed" and not old.owns(credential):
                 raise Conflict409(f"a member named {reg.name!r} is already registered at "
                                   f"{old.reg.url} (lease left {old.expires - now:.1f}s); pick "
-                                  f"another name, or deregister it first")
+                                  f"another name, or wait until it deregisters or its lease "
+                                  f"lapses")
 
-    def register(self, reg: Registration) -> MemberState:
+    def _member(self, name: str, credential: str | None, check: bool) -> MemberState:
+        m = self.members.get(name)
+        if m is None:
+            raise HttpError(404, f"member {name!r} is not registered (the registry may have "
+                                 f"restarted): register again")
+        if check and not m.owns(credential):
+            raise HttpError(403, f"member {name!r} is registered with another credential: only "
+                                 f"the member that registered a name may heartbeat, update or "
+                                 f"deregister it (send the credential /fleet/register returned)")
+        return m
+
+    def register(self, reg: Registration, credential: str | None = None) -> MemberState:
         now = time.monotonic()
         with self.lock:
-            self.check_name(reg)
+            self.check_name(reg, credential)
             m = MemberState(reg, now + self.lease, version=reg.version)
+            old = self.members.get(reg.name)
+            if old is not None and old.owns(credential):
+                m.credential = old.credential
             self.members[reg.name] = m
             self.changed.notify_all()
             return m
 
-    def heartbeat(self, name: str, version: int | None = None) -> MemberState:
+    def heartbeat(self, name: str, version: int | None = None, credential: str | None = None,
+                  check: bool = False) -> MemberState:
+        """`check`: the caller came over the network, so `credential` must be the member's."""
         with self.lock:
-            m = self.members.get(name)
-            if m is None:
-                raise HttpError(404, f"member {name!r} is not registered (the registry may have "
-                                     f"restarted): register again")
+            m = self._member(name, credential, check)
             m.expires = time.monotonic() + self.lease
             if m.state == "lapsed":
                 m.state, m.error = "live", None
@@ -119,10 +148,10 @@ class Roster:
                 and m.version >= self.current:
             m.state, m.error = "live", None
 
-    def deregister(self, name: str) -> None:
+    def deregister(self, name: str, credential: str | None = None, check: bool = False) -> None:
         with self.lock:
-            if self.members.pop(name, None) is None:
-                raise HttpError(404, f"member {name!r} is not registered")
+            self._member(name, credential, check)
+            del self.members[name]
             self.changed.notify_all()
 
     def expire(self) -> list[str]:
@@ -146,7 +175,7 @@ class Roster:
 
     def synced(self, version: int, versions: dict[str, int | None]) -> None:
         with self.lock:
-            if any(v == version for v in versions.values()):
+            if not versions or any(v == version for v in versions.values()):   # none: published
                 self.current = max(self.current or 0, version)
             for name, v in versions.items():
                 m = self.members.get(name)

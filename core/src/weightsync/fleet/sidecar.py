@@ -71,9 +71,16 @@ def run_registry(args: Any) -> int:
     from .service import RegistryService
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .registry import require_key
     key = resolve_key(args.api_key, args.api_key_file, env="WEIGHTSYNC_FLEET_KEY")
+    require_key(key, args.insecure)
+    trainer = resolve_key(None, args.trainer_key_file, env="WEIGHTSYNC_FLEET_TRAINER_KEY")
+    if not trainer:
+        print("note: no trainer key (--trainer-key-file or $WEIGHTSYNC_FLEET_TRAINER_KEY): "
+              "no trainer can read the members' engine keys from this registry", flush=True)
     service = RegistryService(load_components(), lease=args.lease, api_key=key,
-                              peer_join=not args.no_peer_join)
+                              peer_join=not args.no_peer_join, trainer_key=trainer,
+                              state_file=args.state_file)
     warn_if_open(args.host, key, "the fleet registry")
     url = service.start(args.host, args.port)
     print(f"weightsync fleet registry serving on {url}", flush=True)

@@ -129,6 +129,10 @@ class RayFleet(Fleet):
     def excluded(self) -> dict[str, str]:
         return dict(self._call("excluded"))
 
+    def anchor(self, version: int, buckets: list[Any]) -> None:
+        """The push's digests, which peer joins check (see weightsync.fleet.peer)."""
+        self._call("anchor", int(version), list(buckets))
+
     def synced(self, version: int, versions: Any) -> None:
         self._call("synced", int(version), dict(versions))
 

@@ -68,8 +68,7 @@ class FleetActor:
         with self.lock:
             with roster.lock:
                 old = roster.members.get(name)
-                if (old is not None and owner is not None and self.owners.get(name) == owner
-                        and old.reg.url != registration.get("url")):
+                if old is not None and owner is not None and self.owners.get(name) == owner:
                     roster.members.pop(name, None)
                     log.info("member %s came back at %s (was %s): its old entry is replaced",
                              name, registration.get("url"), old.reg.url)
@@ -114,6 +113,13 @@ class FleetActor:
 
     def excluded(self) -> dict[str, str]:
         return self.service.excluded()
+
+    def anchor(self, version: int, buckets: list[Any]) -> None:
+        from ..httpserver import HttpError
+        try:
+            self.service.set_anchor(int(version), buckets)
+        except HttpError as e:
+            raise FleetRefused(str(e)) from None
 
     def synced(self, version: int, versions: dict[str, int | None]) -> None:
         self.service.roster.synced(int(version), {str(k): (None if v is None else int(v))

@@ -29,7 +29,10 @@ checked before bodies, bodies capped per route, connections capped and timed out
   POST /weightsync/end              -> {"digests": {index: digest}}
   POST /weightsync/commit           {"version": v}
   POST /weightsync/abort
-  POST /weightsync/load_from_disk   {"path": DIR, "version": v}: reload every *.safetensors in DIR
+  POST /weightsync/load_from_disk   {"path": DIR, "version": v, "allow_older": false, "signature":
+                                    {...}?}: reload every
+                                    *.safetensors in DIR (a newer version only, unless allow_older;
+                                    signed as v when the engine holds an HMAC key)
                                     (only below the directories given with --load-root)
   POST /weightsync/peer/share       {"token": t, "ttl": s}: let a joiner with this token pull
   GET  /weightsync/peer/manifest    (X-Weightsync-Share: t) the current version's manifest
@@ -219,7 +222,11 @@ def _load_from_disk(h: Any, q: dict) -> Any:
         raise HttpError(403, f"load_from_disk of {path} is refused: it is not below a directory "
                              f"this engine was started with (--load-root); allowed: "
                              f"{[str(r) for r in roots] or 'none'}")
-    return {"version": h.engine.load_from_disk(str(real), int(body["version"]))}
+    older = body.get("allow_older", False)
+    if not isinstance(older, bool):
+        raise HttpError(400, f"allow_older must be true or false, got {older!r}")
+    return {"version": h.engine.load_from_disk(str(real), int(body["version"]), older,
+                                               body.get("signature"))}
 
 
 @routes.add("POST", "/weightsync/peer/share")
@@ -243,7 +250,7 @@ def _peer_bucket(h: Any, q: dict) -> Any:
     return b"".join(bytes(p) for p in parts)
 
 
-@routes.add("POST", "/weightsync/pull")
+@routes.add("POST", "/weightsync/pull", max_body=JSON_CAP)
 def _pull(h: Any, q: dict) -> Any:
     body = h.json_body()
     peer = body.get("peer")

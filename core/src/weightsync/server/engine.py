@@ -24,6 +24,7 @@ from ..fleet.peer import Shares, pull
 from ..httpserver import Conflict409
 from ..receiver import ReceiveSession, check_tensor, read_checkpoint
 from ..sampling import SamplingParams
+from ..signing import check_checkpoint
 from .model import LoadedModel
 from .sampler import Aborted, Sampler, make_rows, score
 
@@ -288,22 +289,26 @@ class ReferenceEngine:
 
     # -- peer join -------------------------------------------------------------------------
     def share(self, token: str, ttl: float) -> dict[str, Any]:
-        """Let a joiner holding `token` pull this engine's weights for `ttl` seconds."""
-        self.shares.open(token, ttl)
-        return {"version": self.version, "source": "http"}
+        """Let a joiner holding `token` pull this engine's current version once, within `ttl`
+        seconds (the token dies with that pull, or when this engine moves on)."""
+        with self.model_lock:
+            self.shares.open(token, ttl, self.version)
+            return {"version": self.version, "source": "http"}
 
     def peer_manifest(self, token: str | None) -> dict[str, Any]:
-        self.shares.check(token)
         with self.model_lock:
+            self.shares.check(token, self.version)
             return self.shares.manifest(self.version, self.model.store)
 
     def peer_bucket(self, token: str | None, index: int, version: int) -> list[Any]:
-        self.shares.check(token)
         with self.model_lock:
             if version != self.version:
                 raise Conflict(f"this peer holds version {self.version} now, not {version}; "
                                f"pull again")
-            return self.shares.bucket(self.version, index, self.model.store)
+            self.shares.check(token, self.version, index)
+            out = self.shares.bucket(self.version, index, self.model.store)
+            self.shares.served_all(token, len(self.shares.manifest(self.version, self.model.store)["buckets"]))
+            return out
 
     def pull(self, peer: Mapping[str, Any], lease: float = 600.0) -> int:
         """Catch up from a peer (see weightsync.fleet.peer): everything is staged and checked in
@@ -356,24 +361,37 @@ class ReferenceEngine:
     def close(self) -> None:
         self._stop.set()
 
-    def load_from_disk(self, path: str, version: int) -> int:
+    def load_from_disk(self, path: str, version: int, allow_older: bool = False,
+                       signature: Any = None) -> int:
         """Reload weights from every *.safetensors in `path` (a host-local checkpoint the disk
         agent keeps) and set `version`. Everything is read and checked first, then applied under
-        the model lock in one step, so any error leaves the engine untouched at its version."""
+        the model lock in one step, so any error leaves the engine untouched at its version.
+        The version rules of pushes hold: only a newer version, unless the operator says
+        `allow_older`; with an HMAC key, only a checkpoint signed as that version."""
         if int(version) < 0:
             raise PayloadError(f"version {version} is negative")
+        self._check_newer(int(version), allow_older)
         named = read_checkpoint(path, lambda n, t: check_tensor(self.model.store, n, t))
+        check_checkpoint(self.hmac_key, path, int(version), named, signature)
         with self.session_lock:
             self._expire()
             if self.round is not None:
                 raise Conflict(f"round {self.round.id} is open; finish or abort it before reloading "
                                f"from disk")
+            self._check_newer(int(version), allow_older)
             with self.model_lock:
                 self.model.store.load(named)
                 self.version = int(version)
         with self.state:
             self.state.notify_all()
         return self.version
+
+    def _check_newer(self, version: int, allow_older: bool) -> None:
+        if version <= self.version and not allow_older:
+            raise Conflict(f"this engine holds version {self.version}; loading version {version} "
+                           f"from disk would move it back (or give one version label two weight "
+                           f"sets); load a newer version, or pass allow_older: true to roll back "
+                           f"on purpose")
 
     # -- introspection ----------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -48,6 +48,9 @@ class Agent:
         self.before_read = before_read
         self.max_backoff = max_backoff
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
+        # the fleet's version (a registry's view): a `latest` below it is a stale or rolled-back
+        # root, which a signature does not reveal (an old version stays validly signed)
+        self.floor: Callable[[], int | None] = lambda: None
         kernels.warm()             # compiled (or loaded from numba's cache) before the first delta
 
     # -- the local checkpoint ---------------------------------------------------------------
@@ -55,6 +58,11 @@ class Agent:
         """Bring the local checkpoint to `latest` (or to `target` when lower); returns its
         version (None: nothing published yet). Never moves it to an older version."""
         latest = read_latest(self.root, self.before_read)
+        floor = self.floor()
+        if latest is not None and floor is not None and latest < floor:
+            raise PlanError(f"{self.root / 'latest'} points at version {latest}, older than version "
+                            f"{floor} the fleet registry reports: the shared root is stale or was "
+                            f"rolled back (its signature cannot tell), so nothing was loaded")
         if latest is not None and target is not None:
             latest = min(latest, target)
         with self.local.locked(exclusive=True):
@@ -158,9 +166,21 @@ class Agent:
             v = self.local.version
             if v is None or v <= engine_v:          # never move an engine backwards
                 return engine_v
-            self.adapter.load_from_disk(str(self.local.model_dir), v)
+            self._load(v)
         self.on_event(f"engine {self.adapter.engine_name} reloaded version {v}")
         return v
+
+    def _load(self, v: int) -> None:
+        """The engine loads the local checkpoint as `v`; with an HMAC key the agent signs it
+        (it checked every manifest on the way), for an engine that holds the key too."""
+        import inspect
+        path = str(self.local.model_dir)
+        load = self.adapter.load_from_disk       # type: ignore[union-attr]
+        if self.hmac_key is not None and "signature" in inspect.signature(load).parameters:
+            from weightsync.signing import checkpoint_signature
+            load(path, v, signature=checkpoint_signature(self.hmac_key, path, v))
+        else:
+            load(path, v)
 
     def step(self) -> tuple[int | None, int | None]:
         """One round: (local version, engine version)."""

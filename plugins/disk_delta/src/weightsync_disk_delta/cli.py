@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def _adapter(kind: str, url: str | None, api_key: str | None):  # noqa: ANN202
@@ -20,6 +20,16 @@ def _adapter(kind: str, url: str | None, api_key: str | None):  # noqa: ANN202
     if "disk" not in cls.capabilities:
         raise SystemExit(f"error: adapter {kind!r} cannot reload from disk (no 'disk' capability)")
     return cls(build_options(cls, ComponentRef(kind=kind), "adapter"), EngineSpec(url=url, api_key=api_key))
+
+
+def _fleet_version(member: Any) -> int | None:
+    """The version the fleet registry reports (None when it cannot be asked right now)."""
+    from weightsync.fleet.client import RegistryError
+    try:
+        v = member.client.fleet().get("version")
+    except RegistryError:
+        return None
+    return v if isinstance(v, int) else None
 
 
 def _agent(args: argparse.Namespace) -> int:
@@ -47,6 +57,7 @@ def _agent(args: argparse.Namespace) -> int:
                              "adapter": {"kind": args.engine}, "role": "host"},
                             version=lambda: agent.local.version)
         member.start()
+        agent.floor = lambda: _fleet_version(member)
     print(f"agent: following {args.root} into {args.local}", flush=True)
     try:
         v = agent.run(interval=args.interval, until=args.until, once=args.once, timeout=args.timeout)

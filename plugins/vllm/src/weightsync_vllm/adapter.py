@@ -16,7 +16,7 @@ import os
 import threading
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import requests
 import torch
@@ -285,12 +285,19 @@ class VllmAdapter(VllmRollouts, Adapter):
         except EngineError as e:
             log.info("engine %s: leaving group failed: %s", self.engine_name, e.detail)
 
-    def load_from_disk(self, path: str, version: int) -> None:
+    def load_from_disk(self, path: str, version: int, allow_older: bool = False,
+                       signature: Mapping[str, Any] | None = None) -> None:
         """Reload a whole checkpoint directory on the engine's host and set `version`. With the
         weightsync backend every name and shape is checked before anything loads (and the delta
-        base moves to the new checkpoint); otherwise vLLM's own reload_weights does it."""
+        base moves to the new checkpoint), a version older than the one held is refused unless
+        `allow_older`, and a backend with an HMAC key needs `signature`
+        (weightsync.signing.checkpoint_signature) or a signed directory; otherwise vLLM's own
+        reload_weights does it."""
+        spec: dict[str, Any] = {"path": str(path), "allow_older": bool(allow_older)}
+        if signature is not None:
+            spec["signature"] = dict(signature)
         try:
-            self._init({"version": int(version), "load_from_disk": {"path": str(path)}})
+            self._init({"version": int(version), "load_from_disk": spec})
         except EngineError as e:
             if "start it with" not in e.detail:
                 raise

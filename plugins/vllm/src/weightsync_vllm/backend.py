@@ -59,7 +59,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     engine_version: int | None = None           # the version the engine holds now (delta base)
     join: dict[str, Any] | None = None          # collective: SGLang's init body
     leave: dict[str, Any] | None = None
-    load_from_disk: dict[str, Any] | None = None  # {"path": dir}: reload a whole checkpoint
+    load_from_disk: dict[str, Any] | None = None  # {"path": dir, "allow_older"?, "signature"?}
     round: dict[str, Any] | None = None         # {"id": str, "lease": s}: the round begin opens
     renew: dict[str, Any] | None = None         # {"id": str, "lease": s}: extend its lease
     server: dict[str, Any] | None = None        # {"url": base, "headers": {...}}: for a lapse
@@ -156,7 +156,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         if init_info.leave is not None:
             self._leave(init_info.leave)
         if init_info.load_from_disk is not None:
-            self._load_from_disk(str(init_info.load_from_disk["path"]))
+            self._load_from_disk(dict(init_info.load_from_disk))
 
     def _configure(self, plan: dict[str, Any]) -> None:
         tr_key = json.dumps(plan["transport"], sort_keys=True)
@@ -184,11 +184,21 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             except TypeError:
                 forget(keep=None)
 
-    def _load_from_disk(self, path: str) -> None:
+    def _load_from_disk(self, spec: dict[str, Any]) -> None:
+        """The reference engine's rules: a newer version only (unless `allow_older`), and with
+        an HMAC key only a checkpoint signed as that version."""
+        from weightsync.signing import check_checkpoint
+        path = str(spec["path"])
         if self.round is not None:
             raise PayloadError("an update round is open; finish or abort it before reloading from disk")
+        v, held = self.next_version, self.committed
+        if v is not None and held is not None and v <= held and not spec.get("allow_older"):
+            raise PayloadError(f"this engine holds version {held}; loading version {v} from disk "
+                               f"would move it back (or give one version label two weight sets); "
+                               f"load a newer version, or pass allow_older to roll back on purpose")
         check_root(path, self.load_roots)
         named = read_checkpoint(path, self.index.check)     # every name and shape checked first
+        check_checkpoint(self.hmac_key, path, -1 if v is None else v, named, spec.get("signature"))
         self._load(named)
         self.index.live.update(named)                 # the delta base is now that checkpoint
         self.committed = self.next_version
