@@ -21,28 +21,15 @@ import torch
 from ..bucket import dtype_name
 from ..errors import PayloadError
 from ..fleet.peer import Shares, pull
-from ..httpserver import Conflict409
 from ..receiver import ReceiveSession, check_tensor, read_checkpoint
-from ..sampling import SamplingParams
 from ..signing import check_checkpoint
+from .generation import Conflict, Generation, VersionGate  # noqa: F401 - re-exported
 from .model import LoadedModel
-from .sampler import Aborted, Sampler, make_rows, score
+from .sampler import Sampler
 
 log = logging.getLogger("weightsync.server")
 DEFAULT_LEASE = 10.0
 MAX_LEASE = 3600.0
-
-
-class Conflict(Conflict409):
-    """The request does not fit the engine's current state (HTTP 409)."""
-
-
-class VersionGate(Conflict):
-    """A generation asked for a version this engine does not hold (HTTP 409 with the version)."""
-
-    def __init__(self, message: str, held: int) -> None:
-        super().__init__(message)
-        self.held = held
 
 
 def _lease(value: Any) -> float:
@@ -67,7 +54,7 @@ class Round:
         return max(0.0, self.expires - time.monotonic())
 
 
-class ReferenceEngine:
+class ReferenceEngine(Generation):
     def __init__(self, model: LoadedModel, components: Any, name: str = "reference",
                  watchdog: bool = True, hmac_key: bytes | None = None) -> None:
         self.model = model
@@ -93,97 +80,6 @@ class ReferenceEngine:
         self._stop = threading.Event()
         if watchdog:
             threading.Thread(target=self._watch, name="ws-lease-watchdog", daemon=True).start()
-
-    # -- generation -------------------------------------------------------------------------
-    def generate(self, ids: list[int], params: SamplingParams, *, min_version: int | None = None,
-                 exact_version: int | None = None, wait: float = 0.0,
-                 timeout: float = 600.0) -> list[dict[str, Any]]:
-        """`params.n` samples of `ids` with the logprob of every token, batched with whatever
-        else is waiting. With `min_version` / `exact_version` it first waits up to `wait` seconds
-        for a fitting version, else answers 409 with the version it holds; an exact request whose
-        weights change while it runs is answered 409 as well, never with tokens of two versions.
-        Other samples that span a commit carry both versions."""
-        if self.model.module is None:
-            raise Conflict("this is a weights-only engine (no config.json); it cannot generate")
-        if not ids:
-            raise PayloadError("input_ids must not be empty")
-        vocab = self.vocab_size()
-        bad = [t for t in ids + params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise PayloadError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-        self._gate(min_version, exact_version, wait)
-
-        def check(version: int) -> None:
-            if exact_version is not None and version != exact_version:
-                raise VersionGate(f"the weights changed from version {exact_version} to "
-                                  f"{version} during generation; retry", version)
-        rows = self.sampler.run(make_rows(ids, params), check, timeout)
-        return [r.as_dict() for r in rows]
-
-    def vocab_size(self) -> int:
-        assert self.model.module is not None
-        return int(self.model.module.get_output_embeddings().weight.shape[0])
-
-    def score(self, ids: list[int]) -> dict[str, Any]:
-        """The probe: the logprob of each token of `ids` after the first, and the version."""
-        if self.model.module is None:
-            raise Conflict("this is a weights-only engine (no config.json); it cannot score")
-        vocab = self.vocab_size()
-        if len(ids) < 2 or not all(0 <= t < vocab for t in ids):
-            raise PayloadError(f"input_ids must hold at least 2 token ids in 0..{vocab - 1}")
-        with self.model_lock:
-            return {"logprobs": score(self.model.module, ids), "weight_version": self.version}
-
-    def distrust(self, version: int, reason: str) -> None:
-        """The trainer's probe found that this engine does not compute with the weights of
-        `version`: gated generation is refused until a later version is committed."""
-        with self.state:
-            if version == self.version:
-                self.distrusted = {"version": version, "reason": str(reason)[:500]}
-                self.state.notify_all()
-
-    def _step_gate(self, epoch: list[int]) -> Callable[[int], None]:
-        def gate(k: int) -> None:
-            with self.state:
-                if k == 0:
-                    epoch[0] = self.pause_epoch
-                while self.paused == "keep":
-                    self.state.wait()
-                if self.paused == "abort" or (self.pause_epoch != epoch[0] and self.paused is not None):
-                    raise Aborted()
-        return gate
-
-    def _forward(self, **kw: Any) -> tuple[Any, int]:
-        assert self.model.module is not None
-        with self.model_lock:
-            return self.model.module(**kw), self.version
-
-    def _gate(self, min_version: int | None, exact_version: int | None, wait: float) -> None:
-        """Wait for resume, and for a version that fits the request, up to `wait` seconds."""
-        def fits() -> bool:
-            v = self.version
-            bad = self.distrusted is not None and self.distrusted["version"] == v
-            if bad and (min_version is not None or exact_version is not None):
-                return False                 # the probe failed on what it holds
-            return (min_version is None or v >= min_version) and (exact_version is None or v == exact_version)
-        deadline = time.monotonic() + max(0.0, min(float(wait), 3600.0))
-        with self.state:
-            while True:
-                if exact_version is not None and self.version > exact_version:
-                    raise VersionGate(f"version {exact_version} was asked for, this engine holds "
-                                      f"{self.version} already", self.version)
-                if self.paused is None and fits():
-                    return
-                left = deadline - time.monotonic()
-                if not fits() and left <= 0:
-                    want = (f"version >= {min_version}" if exact_version is None
-                            else f"version {exact_version}")
-                    d = self.distrusted
-                    why = (f" (its probe failed: {d['reason']})"
-                           if d is not None and d["version"] == self.version else "")
-                    raise VersionGate(f"{want} was asked for, this engine holds {self.version}{why}",
-                                      self.version)
-                self.state.wait(timeout=left if not fits() else None)
 
     def pause(self, mode: str, lease: float | None = None) -> None:
         """Pause generation; with `lease` the pause ends by itself unless renewed."""
