@@ -17,6 +17,7 @@ import torch
 from .config import ProbeSettings
 from .errors import WeightSyncError
 from .interfaces import Adapter
+from .sampling import Unsupported
 from .report import SyncReport
 
 log = logging.getLogger("weightsync.probe")
@@ -75,11 +76,14 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
     mine = trainer_logprobs(model, ids)
     targets = [a for a in adapters if a.scores and (o := report.engines.get(a.engine_name)) is not None
                and o.ok and o.version == version]
-    report.probe = f"{len(targets)} engines probed with {len(ids)} tokens"
     answers, fails = each(targets, lambda a: a.score(ids))
+    unprobed: list[str] = []
     for a in targets:
         o = report.engines[a.engine_name]
         err = fails.get(a.engine_name)
+        if isinstance(err, Unsupported) and settings.mode == "auto":
+            unprobed.append(a.engine_name)   # this engine runs no model (weights only)
+            continue
         if err is not None:
             o.fail("probe", f"the probe could not be scored: {err}")
             continue
@@ -97,3 +101,5 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
             a.distrust(version, o.error or "probe failed")
         except WeightSyncError as e:
             log.warning("%s: could not mark version %d as failing its probe: %s", a.engine_name, version, e)
+    report.probe = (f"{len(targets) - len(unprobed)} engines probed with {len(ids)} tokens"
+                    + (f"; not probed (they cannot score): {', '.join(unprobed)}" if unprobed else ""))

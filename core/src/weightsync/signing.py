@@ -89,7 +89,7 @@ def checkpoint_signature(key: bytes, path: str | Path, version: int) -> dict[str
     """The signature of checkpoint directory `path` as `version`: each tensor's digest and an
     HMAC over them and the version. Send it with load_from_disk (`signature`), or write it into
     the directory with `sign_checkpoint`."""
-    from .receiver import read_checkpoint
+    from .receiver.stores import read_checkpoint
     digests = tensor_digests(read_checkpoint(path, lambda n, t: None))
     sig = hmac.new(key, _checkpoint_claims(version, digests), hashlib.sha256).hexdigest()
     return {"version": int(version), "tensors": digests, "sig": sig}

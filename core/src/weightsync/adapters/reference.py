@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import EngineError, WeightSyncError
 from ..httpclient import auth_headers, call, json_of, session_for
 from ..interfaces import Adapter, Endpoint, EngineStatus, LocalEngine
-from ..sampling import Gate, NotFitting, Sample, SamplingParams
+from ..sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
 
 ROUND_HEADER = "X-Weightsync-Round"
 _OPEN_ROUND = re.compile(r"is open; this begin .* lease expires in ([0-9.]+)s")
@@ -172,7 +172,12 @@ class ReferenceAdapter(Adapter):
         return None if bad and bad.get("version") == st.version else st.version
 
     def score(self, ids: list[int]) -> tuple[list[float], int]:
-        out = self._post("/score", {"input_ids": list(ids)}) or {}
+        resp = call(self.session, self.engine_name, "POST", self.base + "/score", ok=(200, 409),
+                    json={"input_ids": list(ids)}, headers=self.headers,
+                    timeout=self.bounded(self.options.timeout))
+        out = json_of(resp, self.engine_name) or {}
+        if resp.status_code == 409:          # a weights-only engine runs no model
+            raise Unsupported(f"{self.engine_name}: {out.get('error', 'cannot score')}")
         return [float(x) for x in out["logprobs"]], int(out["weight_version"])
 
     def busy_seconds(self) -> float | None:
