@@ -80,7 +80,9 @@ class ProbeSettings(BaseModel):
         "auto: probe when the pushed model is a causal LM and the engine can score; on: a push "
         "that cannot be probed fails; off: never"))
     length: int = Field(24, ge=2, le=4096, description="tokens in the probe sequence")
-    tolerance: float = Field(0.05, gt=0, description="the largest |Δ logprob| accepted")
+    tolerance: float | None = Field(None, gt=0, description=(
+        "the largest |Δ logprob| accepted; None: 0.05 for a float32 model, 0.25 for a 16-bit one "
+        "(an engine's own bf16 kernels differ from the trainer's by a few hundredths)"))
     seed: int = Field(0, ge=0, description="the probe sequence's seed")
 
 

@@ -305,13 +305,14 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type[Handler], max_connections: int = 64,
                  head_deadline: float = 10.0) -> None:
-        super().__init__(address, handler)
         # threads are bounded by `slots`; unproven heads by the guard (which makes room by
-        # closing the oldest), so slow clients cannot take the slots of new ones
+        # closing the oldest), so slow clients cannot take the slots of new ones. Set before
+        # binding: a port in use fails in super().__init__, which then closes the server.
         self.slots = threading.BoundedSemaphore(4 * max_connections)
         self.max_connections = max_connections
         self.guard = HeadGuard(max_connections, head_deadline)
         self.open_conns: set[Any] = set()        # closed with the server: no keep-alive outlives it
+        super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):

@@ -57,7 +57,7 @@ class Live:
 
     def reset(self) -> None:
         """Back to the served checkpoint at version 0 (disk reload through the backend)."""
-        self.adapter().load_from_disk(str(self.model_dir), 0)
+        self.adapter().load_from_disk(str(self.model_dir), 0, allow_older=True)
 
 
 def start_live(arch: str, root: Path, **server_kw: Any) -> Iterator[Live]:
