@@ -4,9 +4,9 @@ plugin that registers one through `register_peer_sources` subclasses PeerSourceC
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
