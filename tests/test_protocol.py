@@ -1,7 +1,14 @@
 """The sync protocol against real reference-engine processes: engines that stage a round keep
 generating during the transfer and pause only for the swap; rounds have ids and leases (a dead
 trainer's round lapses and the engine serves its old version again); one live round per engine;
-a push has a deadline; reports never say more than was checked."""
+a push has a deadline; reports never say more than was checked.
+
+The properties that hold for every transport and encoding (a push is applied and versioned; a
+failed round leaves the engine at its old version) also run over a matrix of combinations found
+through the plugin registry (`COMBOS`): core's http/raw against the reference engine, the
+disk_delta plugin's `delta` over http against the reference engine, and the SGLang plugin's
+`sglang_tensor` route against its stand-in (SGLang loads as it receives, so it is paused for the
+whole push). A combination whose plugin is not installed is skipped with that reason."""
 
 from __future__ import annotations
 
@@ -13,8 +20,9 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import requests
@@ -44,9 +52,157 @@ def slow(sd: dict[str, torch.Tensor], pause: float) -> Iterator[tuple[str, torch
 
 
 def cfg(engines: list[EngineProcess], transport: str = "http", **sync: Any) -> dict[str, Any]:
-    return {"transport": transport, "engines": [e.spec() for e in engines],
-            "exporter": {"kind": "torch", "options": {"bucket_bytes": 16 * 1024}},
-            "sync": {"progress": "off", **sync}}
+    return HTTP_RAW.config([e.spec() for e in engines], transport=transport, **sync)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SGLANG_STANDIN = ROOT / "plugins" / "sglang" / "tests" / "standin" / "sglang_standin.py"
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One transport + encoding + adapter the protocol properties run over; `needs` names the
+    registry entries (kind, name) it takes, so it is skipped when their plugin is missing."""
+
+    id: str
+    transport: str = "http"
+    encoding: str | None = None                  # None: the default (raw)
+    adapter: str = "reference"
+    engine: str = "reference"                    # "reference": EngineProcess; "sglang": its stand-in
+    needs: tuple[tuple[str, str], ...] = ()
+    stages: bool = True                          # False: the engine loads as it receives
+    pause: str = "swap"
+
+    def config(self, engines: list[dict[str, Any]], *, transport: str | None = None,
+               base: Path | None = None, **sync: Any) -> dict[str, Any]:
+        bucket = 256 * 1024 if self.encoding == "delta" else 16 * 1024   # delta: per-bucket cost
+        c: dict[str, Any] = {"transport": transport or self.transport, "engines": engines,
+                             "exporter": {"kind": "torch", "options": {"bucket_bytes": bucket}},
+                             "sync": {"progress": "off", **sync}}
+        if self.adapter != "reference":
+            c["adapter"] = self.adapter
+        if self.encoding == "delta":
+            c["encoding"] = {"kind": "delta", "options": {"base_checkpoint": str(base)}}
+        elif self.encoding is not None:
+            c["encoding"] = self.encoding
+        return c
+
+
+HTTP_RAW = Combo("http-raw")
+COMBOS = [HTTP_RAW,
+          Combo("http-delta", encoding="delta", needs=(("encoding", "delta"),)),
+          Combo("sglang_tensor-standin", transport="sglang_tensor", adapter="sglang", engine="sglang",
+                needs=(("transport", "sglang_tensor"), ("adapter", "sglang")), stages=False,
+                pause="sync")]
+
+
+@dataclass
+class Served:
+    """One engine of a combination, shared by the module's tests: its spec, how to read its
+    version and weights, and the weights it should hold now."""
+
+    combo: Combo
+    spec: dict[str, Any]
+    version: Callable[[], int]
+    weights: Callable[[], dict[str, torch.Tensor]]
+    base: Path
+    holds: dict[str, torch.Tensor]
+
+
+def _start_standin(model: Path, log: Path) -> tuple[str, Callable[[], None]]:
+    """The SGLang stand-in (SGLang itself cannot run here) as a process; its url and stop."""
+    from weightsync.testing.engines import free_port
+    port = free_port()
+    out = open(log, "ab")
+    proc = subprocess.Popen([sys.executable, str(SGLANG_STANDIN), "--model", str(model),
+                             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.close()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return url, stop
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    stop()
+    raise RuntimeError(f"the SGLang stand-in did not answer /health within 120 s; see {log}")
+
+
+@pytest.fixture(scope="module", params=COMBOS, ids=lambda c: c.id)
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    combo: Combo = request.param
+    from weightsync.config import EngineSpec
+    from weightsync.plugins import load_components, make_plugin_manager
+    components = load_components(make_plugin_manager())
+    for kind, name in combo.needs:
+        if name not in getattr(components, kind + "s"):
+            pytest.skip(f"{combo.id}: no {kind} {name!r} is registered (its plugin is not installed)")
+    if combo.engine == "sglang" and not SGLANG_STANDIN.exists():
+        pytest.skip(f"{combo.id}: the SGLang stand-in is not in this checkout")
+    d = tmp_path_factory.mktemp(combo.id)
+    sd = sample_state_dict(scale=2)
+    model = write_weights_only_model(d / "model", sd)
+    if combo.engine == "reference":
+        eng = EngineProcess(model, name=combo.id, log=d / "engine.log").start()
+        url, stop, read = eng.url, eng.stop, eng.weights
+    else:
+        url, stop = _start_standin(model, d / "standin.log")
+
+        def read() -> dict[str, torch.Tensor]:
+            from safetensors.torch import load
+            r = requests.get(url + "/standin/weights", timeout=30)
+            r.raise_for_status()
+            return load(r.content)
+    spec = {"url": url, "name": combo.id}
+    adapter_cls = components.adapters.get(combo.adapter)
+    adapter = adapter_cls(adapter_cls.Options(), EngineSpec(**spec))
+    try:
+        yield Served(combo, spec, lambda: int(adapter.health().version or 0), read, model, sd)
+    finally:
+        stop()
+
+
+def push_is_applied_and_versioned(s: Served, rounds: int = 2) -> None:
+    """Pushes in a row: each reports ok, each moves the engine to its version, and the engine
+    then holds exactly what was pushed."""
+    with WeightSync.from_config(s.combo.config([s.spec], base=s.base, pause=s.combo.pause)) as sync:
+        for _ in range(rounds):
+            v = s.version() + 1
+            new = perturb(s.holds, v)
+            report = sync.push(new, version=v)
+            assert report.ok, report.summary()
+            assert report.engines[s.combo.id].version == v and s.version() == v
+            got = s.weights()
+            assert all(torch.equal(got[n], t) for n, t in new.items()), f"{s.combo.id}: version {v}"
+            s.holds = new
+
+
+def failed_round_keeps_the_old_version(s: Served) -> None:
+    """A push the engine refuses (a tensor its model does not have) fails, and the engine stays at
+    its old version; an engine that stages also keeps its old weights, bit for bit."""
+    v = s.version()
+    bad = {**perturb(s.holds, v + 1), "no.such.tensor": torch.zeros(3)}
+    with WeightSync.from_config(s.combo.config([s.spec], base=s.base, pause=s.combo.pause)) as sync, \
+            pytest.raises(SyncError) as err:
+        sync.push(bad, version=v + 1)
+    assert s.combo.id in str(err.value) and "no.such.tensor" in str(err.value), str(err.value)
+    assert s.version() == v
+    if s.combo.stages:
+        got = s.weights()
+        assert all(torch.equal(got[n], t) for n, t in s.holds.items()), s.combo.id
+    push_is_applied_and_versioned(s, rounds=1)            # nothing half-done blocks the next push
 
 
 def post(engine: EngineProcess, path: str, body: Any = None, rid: str | None = None) -> requests.Response:
@@ -94,6 +250,15 @@ def test_generation_runs_during_the_transfer_and_pauses_only_for_the_swap(
             assert report.pause_window >= report.seconds["export"]
         after = eng.generate(PROMPT, 4)
         assert after["output_ids"] == new and after["weight_version"] == 1
+
+
+# -- 1b. over every installed combination -------------------------------------------------------
+def test_a_push_is_applied_and_versioned(served: Served) -> None:
+    push_is_applied_and_versioned(served)
+
+
+def test_a_failed_round_leaves_the_engine_at_its_old_version(served: Served) -> None:
+    failed_round_keeps_the_old_version(served)
 
 
 # -- 2. leases: a trainer SIGKILLed at random moments -----------------------------------------

@@ -9,8 +9,11 @@ from weightsync.config import EngineSpec
 from weightsync.encodings.cast import CastEncoding
 from weightsync.encodings.raw import RawEncoding
 from weightsync.exporters.torch import TorchExporter
+from weightsync.fleet.peer import HttpPeerSource, new_token
 from weightsync.testing import (AdapterContract, EncodingContract, EngineProcess, ExporterContract,
-                                TransportContract, write_weights_only_model)
+                                PeerSourceContract, ServingPeer, TransportContract,
+                                write_weights_only_model)
+from weightsync.testing.sample import perturb, sample_state_dict
 from weightsync.transports.http import HttpTransport
 
 
@@ -44,6 +47,31 @@ class TestReferenceAdapter(AdapterContract):
 
     def read_weights(self, spec, names):
         return _read(spec, names)
+
+
+class TestHttpPeerSource(PeerSourceContract):
+    """A reference engine at version 1 serves; shares open as the registry opens them (the
+    member's adapter), with a fresh token each."""
+
+    def make_source(self):
+        return HttpPeerSource()
+
+    def serving_peer(self, tmp_path):
+        from weightsync import WeightSync
+        model = write_weights_only_model(tmp_path / "m", sample_state_dict())
+        with EngineProcess(model, log=tmp_path / "peer.log") as eng:
+            held = perturb(sample_state_dict(), 1)
+            with WeightSync.from_config({"engines": [eng.spec()], "sync": {"progress": "off"},
+                                         "exporter": {"kind": "torch",
+                                                      "options": {"bucket_bytes": 8192}}}) as sync:
+                assert sync.push(held, version=1).ok
+            adapter = ReferenceAdapter(ReferenceAdapter.Options(), EngineSpec(url=eng.url))
+
+            def share():
+                token = new_token()
+                opened = adapter.share(token, 600)
+                return {"url": eng.url, "token": token, "source": opened.get("source", "http")}
+            yield ServingPeer(share=share, weights=held, version=1)
 
 
 def _read(spec: EngineSpec, names):

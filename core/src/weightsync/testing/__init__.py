@@ -17,10 +17,10 @@ from .sample import sample_state_dict, write_weights_only_model
 
 if TYPE_CHECKING:
     from .contracts import (AdapterContract, EncodingContract, ExporterContract, FleetContract,
-                            TransportContract)
+                            PeerSourceContract, ServingPeer, TransportContract)
 
 _CONTRACTS = ("AdapterContract", "EncodingContract", "ExporterContract", "FleetContract",
-              "TransportContract")
+              "PeerSourceContract", "ServingPeer", "TransportContract")
 
 
 def __getattr__(name: str) -> Any:
@@ -39,5 +39,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["AdapterContract", "EncodingContract", "EngineProcess", "ExporterContract",
-           "FleetContract", "TransportContract", "free_port", "sample_state_dict", "start_all",
-           "write_weights_only_model"]
+           "FleetContract", "PeerSourceContract", "ServingPeer", "TransportContract", "free_port",
+           "sample_state_dict", "start_all", "write_weights_only_model"]

@@ -1,0 +1,111 @@
+"""The contract of a peer source (how a joining member fetches a current member's weights): a
+plugin that registers one through `register_peer_sources` subclasses PeerSourceContract."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ..bucket import digest_tensors, dtype_name
+from ..errors import PayloadError
+from ..interfaces import PeerSource
+from .contract_base import _Contract
+
+
+@dataclass
+class ServingPeer:
+    """A member serving its weights to joiners: `share()` opens a fresh share and returns what
+    the registry would hand a joiner (url, token, source); `weights` and `version` are what the
+    member holds."""
+
+    share: Callable[[], dict[str, Any]]
+    weights: dict[str, torch.Tensor]
+    version: int
+
+
+class PeerSourceContract(_Contract, abc.ABC):
+    """For peer sources (how a joining member fetches a current member's weights). A subclass
+    gives the source and a serving member; every test opens a share of its own on that member,
+    which serves for the whole class."""
+
+    @abc.abstractmethod
+    def make_source(self) -> PeerSource: ...
+
+    @abc.abstractmethod
+    def serving_peer(self, tmp_path: Path) -> Iterator[ServingPeer]:
+        """A generator: start a member that holds weights at a version above 0, yield it as a
+        ServingPeer, stop it after."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def peer(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingPeer]:
+        """One serving member for the whole class (a process start, not one per test)."""
+        yield from cls().serving_peer(tmp_path_factory.mktemp("peer"))
+
+    @pytest.fixture
+    def source(self) -> PeerSource:
+        return self.make_source()
+
+    def test_manifest_names_the_version_and_every_tensor(self, source: PeerSource,
+                                                         peer: ServingPeer) -> None:
+        from ..fleet.peer import parse_manifest
+        man = parse_manifest(source.manifest(peer.share()))
+        assert man.version == peer.version
+        listed = {t.name: t for b in man.buckets for t in b.tensors}
+        assert set(listed) == set(peer.weights)
+        for n, t in peer.weights.items():
+            assert listed[n].shape == list(t.shape), n
+            assert listed[n].dtype == dtype_name(t.dtype), n
+        assert all(b.digest for b in man.buckets)
+
+    def test_every_bucket_matches_its_digest_and_the_weights(self, source: PeerSource,
+                                                             peer: ServingPeer) -> None:
+        from ..fleet.peer import parse_manifest
+        from ..wire import unpack
+        share = peer.share()
+        man = parse_manifest(source.manifest(share))
+        share = {**share, "version": man.version}
+        seen: set[str] = set()
+        for b in man.buckets:
+            header, body = source.bucket(share, b.index)
+            assert header["index"] == b.index and header["digest"] == b.digest
+            assert int(header["version"]) == man.version
+            tensors, _ = unpack(body)
+            assert [n for n, _ in tensors] == [t.name for t in b.tensors]
+            assert digest_tensors(tensors) == b.digest, f"bucket {b.index} hashes to another digest"
+            for n, t in tensors:
+                assert torch.equal(t, peer.weights[n]), f"{n} differs from the peer's weights"
+                seen.add(n)
+        assert seen == set(peer.weights)
+
+    def test_a_wrong_token_is_refused(self, source: PeerSource, peer: ServingPeer) -> None:
+        share = {**peer.share(), "token": "not-a-token-the-peer-opened-" + "x" * 8}
+        with pytest.raises(PayloadError, match="token"):
+            source.manifest(share)
+
+    def test_a_token_serves_one_pull(self, source: PeerSource, peer: ServingPeer) -> None:
+        from ..fleet.peer import parse_manifest
+        share = peer.share()
+        man = parse_manifest(source.manifest(share))
+        share = {**share, "version": man.version}
+        for b in man.buckets:
+            source.bucket(share, b.index)
+        with pytest.raises(PayloadError, match="token"):
+            source.manifest(share)
+        with pytest.raises(PayloadError, match="token"):
+            source.bucket(share, 0)
+
+    def test_an_index_outside_the_manifest_fails_clearly(self, source: PeerSource,
+                                                         peer: ServingPeer) -> None:
+        from ..fleet.peer import parse_manifest
+        share = peer.share()
+        man = parse_manifest(source.manifest(share))
+        outside = len(man.buckets)
+        with pytest.raises(PayloadError, match=f"bucket {outside}"):
+            source.bucket({**share, "version": man.version}, outside)
