@@ -15,29 +15,20 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
-
 from weightsync import WeightSync
 from weightsync.fleet.client import RegistryClient
 from weightsync.plugins import load_components
 from weightsync.rollout import RolloutClient
 from weightsync.testing import EngineProcess
+from weightsync.testing.waiting import wait_for
 
 KEY = "fleet-key-abcdefghijklmnop"
 COMPONENTS = load_components()
 
-
-def wait_for(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +67,8 @@ def test_an_elastic_fleet_stays_on_the_trainers_weights(model_dir: Path, vllm_se
         pytest.skip(reason="encoding 'delta' is not installed")
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    from weightsync_vllm.adapter import VllmAdapter, VllmOptions
     from weightsync.config import EngineSpec
+    from weightsync_vllm.adapter import VllmAdapter, VllmOptions
     spec = EngineSpec(**vllm_server.spec())
     vl = VllmAdapter(VllmOptions(**spec.options), spec)
     vl.load_from_disk(str(model_dir), 0, allow_older=True)   # every run starts from the checkpoint

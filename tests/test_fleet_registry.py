@@ -9,34 +9,22 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import requests
 import torch
-
 from weightsync import WeightSync
 from weightsync.fleet.client import RegistryClient, RegistryError
 from weightsync.testing import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
+from weightsync.testing.waiting import fleet_member as member
+from weightsync.testing.waiting import wait_for
 
 KEY = "fleet-key-0123456789"
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def member(view: dict, name: str) -> dict | None:
-    return next((m for m in view["members"] if m["name"] == name), None)
 
 
 def fleet_cfg(**opts: Any) -> dict[str, Any]:

@@ -5,30 +5,19 @@ the dead trainer left open (lease still running) is waited out instead of failin
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 import requests
 import torch
-
 from weightsync import WeightSync
 from weightsync.fleet.client import RegistryClient
 from weightsync.testing import EngineProcess
 from weightsync.testing.engines import free_port
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
+from weightsync.testing.waiting import wait_for
 
 KEY = "restart-fleet-key-0123456789"
 
-
-def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def registered(url: str, name: str) -> bool:
