@@ -33,7 +33,8 @@ class Pair:
         for s in self.servers:
             if s.proc is not None and s.proc.poll() is None:
                 spec = EngineSpec(**s.spec())
-                VllmAdapter(VllmOptions(**spec.options), spec).load_from_disk(str(self.model_dir), 0)
+                VllmAdapter(VllmOptions(**spec.options), spec).load_from_disk(str(self.model_dir), 0,
+                                                                       allow_older=True)
 
 
 @pytest.fixture(scope="session")

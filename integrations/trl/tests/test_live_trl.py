@@ -67,7 +67,7 @@ def test_use_weightsync_swaps_trl_seams_and_undo_restores_them() -> None:
 def test_no_engine_reached_raises_and_keeps_the_report() -> None:
     """Every engine down: the push raises (TRL's step fails loudly, no silent hang) and the
     report, naming the engine and the stage, is still kept."""
-    from weightsync_vllm.testing import free_port
+    from weightsync.testing import free_port
     port = free_port()
     wt = WeightSyncTransfer({"engines": [{"url": f"http://127.0.0.1:{port}", "name": "gone"}],
                              "sync": {"progress": "off", "deadline": 30}})
@@ -142,7 +142,7 @@ def _grpo(pair: Any, out: Path, installed: Any, checks: list[dict[str, Any]]) ->
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from weightsync_vllm.testing import SENTENCES
+    from weightsync_vllm.launch import SENTENCES
 
     a, b = pair.servers
 

@@ -6,6 +6,7 @@ lapses) stops counting, so it never blocks a round."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import threading
@@ -69,7 +70,6 @@ class Publisher:
         self.key = api_key or secrets.token_urlsafe(24)
         self.share = secrets.token_urlsafe(24)
         self.shares = Shares(bucket_bytes=bucket_bytes)
-        self.shares.open(self.share, 24 * 3600)
         self.lock = threading.Lock()
         self.published = threading.Condition(self.lock)
         self.version = 0
@@ -100,30 +100,35 @@ class Publisher:
             if version <= self.version:
                 raise ValueError(f"version {version} is not newer than the published version "
                                  f"{self.version}; versions must grow with every round")
-            self.shares.open(self.share, 24 * 3600)
             self.store = Store(named)
             self.shares.manifest(version, self.store)
             self.version = version
             self.published.notify_all()
         return version
 
+    def _check(self, token: str | None) -> None:
+        """Every replica pulls every round with the round's share token (weightsync's own peer
+        shares are one pull each; these are the actor's, served to its own replicas)."""
+        if not token or not hmac.compare_digest(token.encode(), self.share.encode()):
+            raise HttpError(401, "missing or wrong share token: take it from the actor's topology")
+
     def await_version(self, token: str | None, after: int, timeout: float) -> dict[str, Any]:
         """Long poll: returns once a version newer than `after` is published (or at
         `timeout`), with the version served now."""
-        self.shares.check(token)
+        self._check(token)
         with self.published:
             self.published.wait_for(lambda: self.version > after, timeout=max(0.0, timeout))
             return {"version": self.version}
 
     def manifest(self, token: str | None) -> dict[str, Any]:
-        self.shares.check(token)
+        self._check(token)
         with self.lock:
             if self.store is None:
                 raise HttpError(409, "nothing is published yet: the trainer has not sent a round")
             return self.shares.manifest(self.version, self.store)
 
     def bucket(self, token: str | None, index: int, version: int) -> bytes:
-        self.shares.check(token)
+        self._check(token)
         with self.lock:
             if self.store is None or version != self.version:
                 raise HttpError(409, f"version {version} is no longer served (now "
@@ -134,7 +139,7 @@ class Publisher:
     def report_failure(self, token: str | None, name: str, version: int, error: str) -> None:
         """A replica's pull of `version` failed (it says why): the round stops waiting for it
         and names it, instead of waiting out its deadline."""
-        self.shares.check(token)
+        self._check(token)
         roster = self.registry.roster
         with roster.changed:
             self.failures.setdefault(int(version), {})[name[:128]] = error[:2000]

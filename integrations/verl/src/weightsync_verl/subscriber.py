@@ -84,7 +84,7 @@ class Subscriber:
             raise
         self.version = man.version
         try:
-            self.membership.client.heartbeat(self.name, self.version)
+            self.membership.client.heartbeat(self.name, self.version, self.membership.credential)
         except Exception as e:  # noqa: BLE001 - the periodic heartbeat carries it anyway
             log.warning("reporting version %d to the registry failed: %s", self.version, e)
 
