@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-
-from weightsync.ray.testing import (POLICY, build_policy, mismatches, train_step,
-                                    write_initial_checkpoint)
+from weightsync.ray.testing import (
+    POLICY,
+    build_policy,
+    mismatches,
+    train_step,
+    write_initial_checkpoint,
+)
+from weightsync.testing.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 NS = "weightsync-tests"
@@ -31,7 +36,6 @@ def test_a_fleet_actor_that_is_gone(cluster: dict[str, str], cleanup: list, tmp_
     engine; the trainer starts a new fleet actor, the engine actors register with it again, and
     the next push reaches them."""
     import ray
-
     from weightsync import WeightSync
     from weightsync.ray.engine import start_engine, stop_actors, wait_ready
     from weightsync.ray.fleet import FleetError
@@ -76,6 +80,14 @@ def test_a_fleet_actor_that_is_gone(cluster: dict[str, str], cleanup: list, tmp_
     # the fleet actor's process dies: Ray restarts it (empty: its state is leases) and the
     # engine actors register with it again at their next renewal
     ray.kill(find_fleet("gone", NS), no_restart=False)
+
+    def both_live_again() -> bool:                       # the restarted actor's own view
+        try:
+            view = ray.get(find_fleet("gone", NS).view.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - still restarting: ask again
+            return False
+        return sorted(m["name"] for m in view["members"] if m["state"] == "live") == ["g0", "g1"]
+    wait_for(both_live_again, timeout=60, what="g0 and g1 live in the restarted fleet actor")
     wait_ready(engines, timeout=60)
     train_step(policy, 4, state)
     report = sync.push(policy, version=4)
@@ -121,7 +133,6 @@ def test_a_trainer_rank_that_dies_mid_push(rank: int, cluster: dict[str, str], c
     version 1, bit for bit (rank 0 aborts the round, or, when rank 0 died, the round's lease
     lapses), and the broken trainer refuses further pushes."""
     import ray
-
     from weightsync.ray.engine import start_engine, stop_actors, wait_ready
     from weightsync.ray.launch import EngineLaunch
     from weightsync.ray.testing import DieOnSend
@@ -170,7 +181,6 @@ def test_an_engine_process_that_dies_takes_its_actor_with_it(cluster: dict[str, 
     """The engine's process crashes (SIGKILL) while its actor lives: the actor exits as a crash,
     Ray restarts it, and the new engine registers under the same name at its new address."""
     import ray
-
     from weightsync.ray.engine import start_engine, stop_actors, wait_ready
     from weightsync.ray.launch import EngineLaunch
 
