@@ -148,9 +148,9 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     components = load_components(make_plugin_manager())
     for kind, name in combo.needs:
         if name not in getattr(components, kind + "s"):
-            pytest.skip(f"{combo.id}: no {kind} {name!r} is registered (its plugin is not installed)")
+            pytest.skip(reason=f"{combo.id}: no {kind} {name!r} is registered (its plugin is not installed)")
     if combo.engine == "sglang" and not SGLANG_STANDIN.exists():
-        pytest.skip(f"{combo.id}: the SGLang stand-in is not in this checkout")
+        pytest.skip(reason=f"{combo.id}: the SGLang stand-in is not in this checkout")
     d = tmp_path_factory.mktemp(combo.id)
     sd = sample_state_dict(scale=2)
     model = write_weights_only_model(d / "model", sd)

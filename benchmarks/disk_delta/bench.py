@@ -43,23 +43,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-
 from weightsync import WeightSync
+from weightsync.bench.measure import drop_cache
 from weightsync.bucket import digest_tensors
 from weightsync.config import parse_bytes
 from weightsync_disk_delta.agent import Agent
-
-
-def drop_cache(path: Path) -> None:
-    """Evict a file's (clean) pages, so the next read comes from the disk."""
-    for p in ([path] if path.is_file() else sorted(path.rglob("*"))):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 class Model(torch.nn.Module):

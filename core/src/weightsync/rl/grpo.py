@@ -27,6 +27,11 @@ class Batch:
     attention: torch.Tensor      # [B, T] 1 on real tokens (right padding)
     advantages: torch.Tensor     # [B]
 
+    def rows(self, idx: list[int]) -> "Batch":
+        """The same batch cut to samples `idx`."""
+        return Batch(self.ids[idx], self.mask[idx], self.engine_lp[idx], self.attention[idx],
+                     self.advantages[idx])
+
 
 def advantages(samples: list[Sample], rewards: list[float], eps: float = 1e-4) -> list[float]:
     groups: dict[int, list[int]] = {}

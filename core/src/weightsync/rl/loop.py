@@ -149,16 +149,12 @@ class RLLoop:
             if v == self.version and self._fresh:
                 continue                         # the loss's forward pass ran these weights
             rows = [i for i, s in enumerate(keep) if s.version == v]
-            sub = grpo.Batch(batch.ids[rows], batch.mask[rows], batch.engine_lp[rows],
-                             batch.attention[rows], batch.advantages[rows])
-            lp[rows] = grpo.token_logprobs(self.model, sub, self.snapshots[v])
+            lp[rows] = grpo.token_logprobs(self.model, batch.rows(rows), self.snapshots[v])
         whole = grpo.gap(lp, batch)
         st.gap_mean, st.gap_max = whole["mean"], whole["max"]
         for key in sorted({(s.engine, s.version) for s in keep}):
             rows = [i for i, s in enumerate(keep) if (s.engine, s.version) == key]
-            g = grpo.gap(lp[rows], grpo.Batch(batch.ids[rows], batch.mask[rows],
-                                              batch.engine_lp[rows], batch.attention[rows],
-                                              batch.advantages[rows]))
+            g = grpo.gap(lp[rows], batch.rows(rows))
             st.gaps[f"{key[0]}@{key[1]}"] = g
             try:
                 self.sync.record_gap(key[0], key[1], g["mean"], g["max"])
