@@ -78,9 +78,16 @@ $(STAMP): requirements-dev.txt core/pyproject.toml $(wildcard plugins/*/pyprojec
 demo: venv $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 	$(BIN)/weightsync demo --engine $(ENGINE) --steps $(STEPS) $(ARGS)
 
-# the main run (testpaths: core, plugins, tests), then each integration in its own environment
+# the main run (testpaths: core, plugins, tests), then each integration in its own environment.
+# verl's venv (mostly downloads and unpacking, several minutes) is built while the main run goes
+# on: it is a separate venv, so nothing the running tests import changes under them.
+VERL_LOG := $(VENV)/verl-env.log
 test: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) $(if $(PYTEST_ARGS),$(NO5))
+	$(MAKE) --no-print-directory verl-env > $(VERL_LOG) 2>&1 & build=$$!; \
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) $(if $(PYTEST_ARGS),$(NO5)); rc=$$?; \
+	wait $$build; vrc=$$?; \
+	if [ $$vrc -ne 0 ]; then cat $(VERL_LOG); echo "building $(VERL_VENV) failed (log above)" >&2; fi; \
+	if [ $$rc -ne 0 ]; then exit $$rc; fi; if [ $$vrc -ne 0 ]; then exit $$vrc; fi
 	$(MAKE) test-integrations
 
 test-integrations: test-trl test-verl

@@ -79,6 +79,17 @@ def test_samples_carry_logprobs_versions_and_spread_over_the_fleet(model_dir: Pa
                 assert max(abs(a - b) for a, b in zip(mine, s.logprobs)) < 1e-4
             again = client.sample(prompts[:1], params, exact_version=version)
             assert [s.token_ids for s in again] == [s.token_ids for s in samples[:3]]
+            # equal prompts in one call get seeds of their own (prompt j: seed + j * n), so a
+            # GRPO batch that repeats a prompt does not repeat its samples; the call reproduces
+            twice = [[4, 4]] * 2
+            long = params.model_copy(update={"max_new_tokens": 24})
+            first = client.sample(twice, long, exact_version=version)
+            assert [s.token_ids for s in first[:3]] != [s.token_ids for s in first[3:]]
+            assert [s.token_ids for s in client.sample(twice, long, exact_version=version)] == \
+                [s.token_ids for s in first]
+            shifted = client.sample([[4, 4]], long.model_copy(update={"seed": 5 + 3}),
+                                    exact_version=version)
+            assert [s.token_ids for s in shifted] == [s.token_ids for s in first[3:]]
             with pytest.raises(StaleEngines, match=rf"version >= {version + 1} .*'a': {version}"):
                 client.sample([[1, 2]], params, min_version=version + 1, wait=0.5)
 
@@ -156,6 +167,52 @@ def test_a_sample_that_spans_a_swap_carries_both_versions_or_is_regenerated(
             th.join(300)
             (r,) = got["r"]
             assert r.version == r.version_end == 2 and client.refused_mixed >= 1
+    finally:
+        eng.stop()
+
+
+class _PushWhenGenerating:
+    """The loop's sync, whose push of version 1 waits (bounded) until the engine is generating
+    the next step's rollouts, so the swap lands inside that generation (the last step's push has
+    no generation after it)."""
+
+    def __init__(self, sync: WeightSync, url: str) -> None:
+        self.sync, self.url = sync, url
+
+    def _tokens(self) -> int:
+        return int(requests.get(self.url + "/info", timeout=10).json()["generated_tokens"])
+
+    def push(self, model: torch.nn.Module, version: int) -> Any:
+        from weightsync.testing.waiting import wait_for
+        base = self._tokens()
+        if version == 1:
+            wait_for(lambda: self._tokens() >= base + 5, 60,
+                     "the engine generating the next rollouts")
+        return self.sync.push(model, version=version)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_async_loop_trains_on_samples_that_span_the_swap_or_regenerates_them(
+        model_dir: Path, tmp_path: Path, keep: bool) -> None:
+    from weightsync.rl import CountingTask, RLLoop
+    eng = EngineProcess(model_dir, name="s", log=tmp_path / "s.log").start(timeout=120)
+    model = load_trainer_model(model_dir)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    try:
+        cfg = {**SYNC, "engines": [eng.spec()], "sync": {"progress": "off", "pause_mode": "keep"}}
+        with WeightSync.from_config(cfg) as sync, RolloutClient([eng.spec()]) as client:
+            loop = RLLoop(model, opt, _PushWhenGenerating(sync, eng.url), client.sample,
+                          CountingTask(seed=3), SamplingParams(n=2, max_new_tokens=1000, seed=3),
+                          prompts_per_step=1, mode="async", epochs=1, keep_mixed=keep)
+            first, second = list(loop.run(steps=2))
+        assert first.push_ok and second.push_ok and loop.version == 2
+        if keep:        # generated across the swap of version 1: kept, as old as version 0
+            assert second.samples == 2 and second.mixed == 2 and second.dropped == 0
+            assert second.staleness == 1.0 and client.refused_mixed == 0
+            assert second.gaps == {}          # no one version generated them: no gap to measure
+        else:           # refused and generated again, all at version 1
+            assert second.samples == 2 and second.mixed == 0 and client.refused_mixed >= 1
+            assert second.staleness == 0.0 and list(second.gaps) == ["s@1"]
     finally:
         eng.stop()
 

@@ -50,7 +50,9 @@ def _setup(model_dir: Path) -> tuple[Any, Any]:
     from .rl.task import VOCAB
     from .testing.models import build_tiny_model
     torch.manual_seed(0)
-    model = build_tiny_model(model_dir, "llama", vocab=VOCAB, hidden=64, intermediate=128)
+    # one head of 64: vLLM's CPU attention has kernels for head sizes such as 64, not 16
+    model = build_tiny_model(model_dir, "llama", vocab=VOCAB, hidden=64, intermediate=128,
+                             heads=1, kv_heads=1)
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
 
 
@@ -70,6 +72,10 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
     config: dict[str, Any] = {
         "adapter": engine, "exporter": {"kind": "torch", "options": {"bucket_bytes": "256KiB"}},
         "sync": {"progress": "off", "failure_policy": "continue"}}
+    if mode == "async" and "keep" in adapter.pause_modes:
+        # generation that spans the swap freezes for it and goes on with the new weights
+        # (the loop keeps such samples) instead of being aborted and generated again
+        config["sync"]["pause_mode"] = "keep"
     started: dict[str, Any] = {}
     if fleet:
         config["fleet"] = {"kind": "registry", "options": {"lease": 2.0, "api_key": key}}

@@ -15,7 +15,9 @@ from .errors import WeightSyncError
 class SamplingParams(BaseModel):
     """How to sample. `temperature: 0` is greedy; `top_k: 0` and `top_p: 1` switch those filters
     off. Logprobs are always returned: the log-probability of each sampled token under the
-    temperature-scaled distribution before the top-k / top-p filters (greedy: temperature 1)."""
+    temperature-scaled distribution before the top-k / top-p filters (greedy: temperature 1).
+    A sample ends after `max_new_tokens` or at a token of `stop_token_ids`; the model's own
+    end-of-sequence token stops it only when listed there (every engine is asked to ignore it)."""
 
     model_config = ConfigDict(extra="forbid")
     n: int = Field(1, ge=1, le=1024, description="samples per prompt")

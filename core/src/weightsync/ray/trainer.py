@@ -208,8 +208,10 @@ class RayTrainer:
         self.ranks = [TrainerActor.options(**opts).remote(r, self.world_size)
                       for r in range(self.world_size)]
         self.master = get(self.ranks[0].rendezvous.remote(), self.setup_timeout, "trainer rank 0")
+        # a follower waits in the exporter's gathers while rank 0 runs the push, which ends by
+        # the deadline: its group's timeout outlasts that, and `_timeout` outlasts both
         refs = [a.setup.remote(self.master, self.config, self.model, self.step, self.shard,
-                               self.backend, self.deadline, self.seed) for a in self.ranks]
+                               self.backend, self.deadline + 30.0, self.seed) for a in self.ranks]
         self.info = self._all(refs, self.setup_timeout, "setting up")
         return self
 

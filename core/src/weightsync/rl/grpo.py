@@ -3,7 +3,8 @@ the clipped importance-ratio loss against the engines' logprobs (the behaviour p
 
 Samples of one prompt form a group; each sample's advantage is its reward minus the group's mean,
 over the group's standard deviation. The loss is PPO's clipped surrogate per token, averaged over
-the tokens of the batch."""
+the tokens of the batch, decoupled from the behaviour policy for samples that are a version old
+(see `loss`)."""
 
 from __future__ import annotations
 
@@ -72,12 +73,22 @@ def token_logprobs(model: torch.nn.Module, batch: Batch,
     return lp.gather(2, batch.ids[:, 1:, None])[..., 0]
 
 
-def loss(model: torch.nn.Module, batch: Batch, clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clipped surrogate loss and the trainer's logprobs it was computed from (detached)."""
+def loss(model: torch.nn.Module, batch: Batch, clip: float = 0.2,
+         proximal: torch.Tensor | None = None,
+         cap: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped surrogate loss and the trainer's logprobs it was computed from (detached).
+
+    Decoupled as AReaL's PPO is for off-policy samples: the ratio that is clipped is against the
+    `proximal` policy (the trainer's own logprobs at the start of the step; the first pass's,
+    when None), and each token is weighted by proximal / behaviour (the engine's logprobs),
+    capped at `cap`. On-policy samples have a weight of 1 (the two agree up to the gap), so this is
+    plain PPO; a sample one version old is corrected instead of clipped away."""
     lp = token_logprobs(model, batch)
-    ratio = torch.exp(lp - batch.engine_lp) * batch.mask
+    prox = lp.detach() if proximal is None else proximal
+    ratio = torch.exp(lp - prox) * batch.mask
+    weight = torch.exp(prox - batch.engine_lp).clamp(max=cap) * batch.mask
     adv = batch.advantages[:, None]
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv) * weight
     return (per_token * batch.mask).sum() / batch.mask.sum().clamp(min=1), lp.detach()
 
 

@@ -23,7 +23,8 @@ def print_step(st: StepStats) -> None:
             if st.busy_in_push else "")
     note = f" | {st.error}" if st.error else ""
     print(f"step {st.step:>3}: reward {st.reward:.3f} | {st.samples} samples"
-          f"{f' ({st.dropped} stale dropped)' if st.dropped else ''} staleness {st.staleness:.2f}"
+          f"{f' ({st.dropped} stale dropped)' if st.dropped else ''}"
+          f"{f' ({st.mixed} across a swap)' if st.mixed else ''} staleness {st.staleness:.2f}"
           f" | gap mean {st.gap_mean:.2e} max {st.gap_max:.2e} | sync {st.sync_seconds:.3f}s "
           f"pause {st.pause_window:.3f}s{' verified' if st.verified else ''}{busy}{note}",
           flush=True)
@@ -41,7 +42,8 @@ def print_summary(stats: list[StepStats], idle: dict[str, float], first: float, 
     print(f"  sync {sync:.2f}s in all ({sync / n:.3f}s a step), longest pause "
           f"{max(s.pause_window for s in stats):.3f}s, trainer waited {waited:.2f}s for rollouts")
     print(f"  samples trained on {sum(s.samples for s in stats)}, dropped as stale "
-          f"{sum(s.dropped for s in stats)}, mean staleness "
+          f"{sum(s.dropped for s in stats)}, spanning a swap {sum(s.mixed for s in stats)}, "
+          f"mean staleness "
           f"{sum(s.staleness for s in stats) / n:.2f}")
     print(f"  train-inference gap: mean {sum(s.gap_mean for s in stats) / n:.2e}, max "
           f"{max(s.gap_max for s in stats):.2e} |Δ logprob|")
@@ -52,6 +54,12 @@ def print_summary(stats: list[StepStats], idle: dict[str, float], first: float, 
     if pushes:
         print(f"  during pushes the engines generated {sum(pushes) / len(pushes):.0%} of the time "
               f"(mean over pushes of the least busy engine)")
+    busy = [min(s.busy_in_push.values()) for s in stats if s.busy_in_push and s.rollouts_in_push]
+    if any(s.busy_in_push for s in stats) and mode == "async":
+        print(f"  {len(busy)} of {len(stats)} pushes began while the next rollouts were being "
+              f"generated" + (f"; through those the engines generated "
+                              f"{sum(busy) / len(busy):.0%} of the time" if busy else
+                              " (the engines had finished them during training)"))
 
 
 def plot(stats: list[StepStats], path: Path, title: str) -> str:

@@ -119,14 +119,18 @@ class RolloutClient:
         member holding a fitting version: at least `min_version` minus the client's staleness,
         or exactly `exact_version`. Raises StaleEngines (naming what each member holds) when no
         member could serve a prompt within `wait` seconds, Unsupported when a member cannot
-        honour a parameter."""
+        honour a parameter. With a `seed`, prompt j is asked with seed `seed + j * n` (so its
+        sample i has `seed + j * n + i`): no two samples of one call share a seed, even for two
+        equal prompts, and the call is reproducible as a whole."""
         if mixed not in ("retry", "keep"):
             raise ValueError(f"mixed={mixed!r}: use 'retry' or 'keep'")
         p = params if isinstance(params, SamplingParams) else SamplingParams.model_validate(params or {})
         if min_version is not None:
             min_version -= self.staleness
         gate = Gate(min_version=min_version, exact_version=exact_version, wait=wait)
-        futures = [self._pool.submit(self._one, i, list(ids), p, gate, mixed, retries)
+        def params_of(j: int) -> SamplingParams:
+            return p if p.seed is None else p.model_copy(update={"seed": p.seed + j * p.n})
+        futures = [self._pool.submit(self._one, i, list(ids), params_of(i), gate, mixed, retries)
                    for i, ids in enumerate(prompts)]
         return [s for f in futures for s in f.result()]
 

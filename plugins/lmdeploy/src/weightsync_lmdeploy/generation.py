@@ -34,7 +34,8 @@ def generate_body(prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     body: dict[str, Any] = {"input_ids": [int(t) for t in prompt], "max_tokens": params.max_new_tokens,
                             "temperature": 1.0 if greedy else params.temperature,
                             "top_p": params.top_p, "top_k": 1 if greedy else params.top_k,
-                            "return_logprob": True}
+                            "return_logprob": True,
+                            "ignore_eos": True}       # only the stop ids stop a sample
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
     return body

@@ -24,7 +24,8 @@ def generate_body(prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     def one(i: int) -> dict[str, Any]:
         sp: dict[str, Any] = {"max_new_tokens": params.max_new_tokens,
                               "temperature": params.temperature, "top_p": params.top_p,
-                              "top_k": params.top_k if params.top_k > 0 else -1}
+                              "top_k": params.top_k if params.top_k > 0 else -1,
+                              "ignore_eos": True}      # only the stop ids stop a sample
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None:

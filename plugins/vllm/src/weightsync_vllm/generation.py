@@ -39,6 +39,7 @@ def completion_body(prompt: list[int], params: SamplingParams) -> dict[str, Any]
         "temperature": params.temperature, "top_p": params.top_p,
         "top_k": params.top_k,                  # vLLM: 0 (or -1) is off, as in SamplingParams
         "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": True,                     # only the stop ids stop a sample
         "logprobs": 0,                          # the sampled token's logprob only
         "return_token_ids": True,
     }

@@ -41,12 +41,29 @@ def vllm_available() -> tuple[bool, str]:
     return True, ""
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
 def build_tokenizer(path: str | Path, vocab: int = 1024) -> None:
     """Byte-level BPE trained on a few sentences, padded with placeholder tokens to exactly
-    `vocab` ids (so every id a random model emits decodes), saved next to the model."""
+    `vocab` ids (so every id a random model emits decodes), saved next to the model. A vocabulary
+    too small for the 256 bytes (the RL demo's 16 tokens) gets a word-level one: <pad>, <s>,
+    </s>, <unk> and placeholders (prompts are token ids, so no text needs to encode)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    if vocab < 4:
+        raise ValueError(f"a vocabulary of {vocab} tokens cannot hold <pad>, <s>, </s>, <unk>")
+    if vocab < 512:
+        names = ["<pad>", "<s>", "</s>", "<unk>"] + [f"<x{i}>" for i in range(4, vocab)]
+        tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(names)}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                       pad_token="<pad>", unk_token="<unk>")
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(str(path))
+        return
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -60,8 +77,7 @@ def build_tokenizer(path: str | Path, vocab: int = 1024) -> None:
     if missing < 0:
         raise ValueError(f"the tokenizer already has {len(fast)} tokens, more than {vocab}")
     fast.add_tokens([f"<x{i}>" for i in range(missing)])
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
 

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 
 from ...errors import ConfigError, TransportError
@@ -32,6 +32,7 @@ class GroupLifecycle:
     key: tuple | None
     _seq: int
     _members: dict[str, Adapter]
+    bounded: Callable[[float], float]       # Transport's: a wait cut to the push's deadline
 
     @staticmethod
     def _layout(engines: Sequence[Adapter]) -> str:
@@ -61,9 +62,10 @@ class GroupLifecycle:
         """A fresh group for `engines`; returns the engines that could not join."""
         self._destroy()
         o = self.options
+        timeout = self.bounded(o.timeout)          # never past the push's deadline
         name = f"{o.group_name}_{next(_BUILDS)}"   # unique per process: a stale rank cannot join
         world = 1 + sum(a.group_size() for a in engines)
-        store = pgs.make_store(o.master_address, o.master_port, world, True, o.timeout)
+        store = pgs.make_store(o.master_address, o.master_port, world, True, timeout)
         port = store.port
         infos, offset = {}, 1
         for a in engines:
@@ -73,15 +75,15 @@ class GroupLifecycle:
             offset += a.group_size()
         calls = {a.engine_name: _spawn(a.join_group, infos[a.engine_name]) for a in engines}
         try:
-            pg = pgs.new_group(store, name, 0, world, self.backend, o.timeout)
+            pg = pgs.new_group(store, name, 0, world, self.backend, timeout)
         except Exception as e:  # noqa: BLE001 - turned into per-engine failures below
-            return self._join_failures(engines, calls, infos, name, world, e)
+            return self._join_failures(engines, calls, infos, name, world, e, timeout)
         fails = {}
         for a in engines:
             c = calls[a.engine_name]
-            if not c.done(o.timeout) or c.error:
+            if not c.done(self.bounded(o.timeout)) or c.error:
                 fails[a.engine_name] = c.error[0] if c.error else TransportError(
-                    f"engine did not confirm joining group {name!r} within {o.timeout}s")
+                    f"engine did not confirm joining group {name!r} within {timeout:.0f}s")
         self.group = pgs.Group(name, pg, store, 0, world, self.backend)
         self._seq = 0
         self.infos = infos
@@ -93,16 +95,16 @@ class GroupLifecycle:
 
     def _join_failures(self, engines: Sequence[Adapter], calls: dict[str, _Call],
                        infos: dict[str, dict[str, Any]], name: str, world: int,
-                       err: BaseException) -> dict[str, BaseException]:
+                       err: BaseException, timeout: float) -> dict[str, BaseException]:
         """Rank 0 gave up on the group. The engines that joined fail right after it (they waited
         for the same missing rank), so the culprits are the calls still running after a grace
         period; failing that, the calls that failed on their own (dead engine, refused)."""
-        deadline = time.monotonic() + max(1.0, min(10.0, self.options.timeout))
+        deadline = time.monotonic() + self.bounded(max(1.0, min(10.0, timeout)))
         pending = [a for a in engines if not calls[a.engine_name].done(max(0.0, deadline - time.monotonic()))]
         log.info("group %r was not formed: %s", name, err)
         if pending:
             return {a.engine_name: TransportError(
-                f"engine did not join collective group {name!r} within {self.options.timeout}s "
+                f"engine did not join collective group {name!r} within {timeout:.0f}s "
                 f"(rank {infos[a.engine_name]['rank_offset']} of {world}); it was left out "
                 f"(rank 0: {str(err).splitlines()[0][:200]})")
                 for a in pending}

@@ -68,8 +68,9 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         with self._ring_lock:
             buf = self._ring[self._turn]
             self._turn = (self._turn + 1) % len(self._ring)
-        if not buf.free.wait(self.options.timeout):
-            raise TransportError(f"no send buffer was released within {self.options.timeout}s")
+        wait = self.bounded(self.options.timeout)
+        if not buf.free.wait(wait):
+            raise TransportError(f"no send buffer was released within {wait:.0f}s")
         buf.free.clear()
         if buf.tensor is None or buf.tensor.numel() < nbytes:
             buf.tensor = None
@@ -120,7 +121,7 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         cut = max(0, len(self.pending) - keep)
         done, self.pending = self.pending[:cut], self.pending[cut:]
         for calls, _ in done:
-            for name, err in self._collect(calls, self.options.timeout).items():
+            for name, err in self._collect(calls, self.bounded(self.options.timeout)).items():
                 fails.setdefault(name, err)
         return fails
 
@@ -211,13 +212,14 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         as soon as one announce fails (the group is rebuilt; the buffer is retired, since the
         abandoned operation may still read it). The wait wakes on the broadcast's completion or
         an announce's failure, whichever comes first (no polling delay per bucket)."""
-        work = pgs.start_broadcast(self.group.pg, tensor, self.options.timeout)
+        timeout = self.bounded(self.options.timeout)       # never past the push's deadline
+        work = pgs.start_broadcast(self.group.pg, tensor, timeout)
         wake = wake or threading.Event()
         try:
             work.get_future().add_done_callback(lambda _: wake.set())
         except (AttributeError, RuntimeError):       # a backend without futures: poll
             wake = None
-        deadline = time.monotonic() + self.options.timeout
+        deadline = time.monotonic() + timeout
         nap = 0.0005
         while not work.is_completed():
             bad = [(n, c.error[0]) for n, c in calls.items() if c.error]
@@ -226,13 +228,14 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
                 if bad:
                     raise TransportError(f"engine {bad[0][0]} failed before receiving the "
                                          f"broadcast: {bad[0][1]}")
-                raise TransportError(f"broadcast did not complete within {self.options.timeout}s")
+                raise TransportError(f"broadcast did not complete within {timeout:.0f}s (the push's "
+                                     f"deadline or the transport's timeout)")
             if wake is not None and not wake.is_set():
                 wake.wait(min(0.25, max(0.0, deadline - time.monotonic())))
             else:       # no future, or it fired a moment before the work says completed
                 time.sleep(nap)
                 nap = min(nap * 2, 0.005)
-        pgs.finish_broadcast(work, tensor, self.options.timeout)
+        pgs.finish_broadcast(work, tensor, timeout)
 
     def _retire(self, body: torch.Tensor) -> None:
         for b in self._ring:
