@@ -158,13 +158,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["cluster"] = {k: v for k, v in spec["cluster"].items() if k != "hosts"}
     result["cluster"]["hosts"] = len(hosts)
     with_ratios(result)
-    result["model"] = {e: predict(result, e) for e in args.encodings
-                       if any(r["shape"] == "star" and r["encoding"] == e for r in result["rows"])}
     result.update({"members": args.members, "shapes": args.shapes, "encodings": args.encodings,
                    "repeat": args.repeat, "cores": os.cpu_count(), "kernel": platform.release(),
                    "loadavg_at_end": round(os.getloadavg()[0], 2),
                    "wall_s": round(time.perf_counter() - t0, 1),
                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    result["model"] = {e: predict(result, e) for e in args.encodings
+                       if any(r["shape"] == "star" and r["encoding"] == e for r in result["rows"])}
     return result
 
 

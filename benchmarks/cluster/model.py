@@ -11,11 +11,18 @@ degree 0; chain: root 1, degree 1; tree: root 1, degree d). Per piece:
 - the member stages and verifies it on one core (`stage_s_per_byte`), and only then forwards it
   (a member relays nothing it has not checked);
 - the trainer packs each piece at the same per-byte cost before it sends it.
-The push ends when the last member has verified the last piece, plus `fixed_s`: what a push
-costs beyond carrying the bytes (health, begin, end, digest checks, commit), calibrated as the
-measured N = 1 push minus the simulated N = 1 carry. The trainer's egress is its children times
-the payload times `egress_overhead` (tx bytes per payload byte at N = 1: headers, control calls).
-Ignored: CPU shared between a member's stage and its forwarding, and per-piece framing.
+The carry ends when the last member has verified the last piece. A push also needs the CPU time
+the trainer and each member spend on it (`trainer_cpu_s`, `member_cpu_s`, measured at N = 1). On
+the emulated cluster every process shares this machine's `shared_cores`; on a real cluster
+(`shared_cores` None: the predictions) each host has its own. How that CPU adds up depends on the
+encoding: raw bytes are staged and hashed as they land (`overlapped`: the push is the larger of
+the carry and the CPU bound), while a delta is applied once its bytes are in (every member
+patches and hashes the whole model after its last piece: the push is the carry plus that tail,
+which on shared cores is all members' tails over the cores). Then `fixed_s`: what a push costs
+beyond all that (health, begin, end, digest checks, commit), calibrated as the measured N = 1
+push minus the modelled N = 1 push. The trainer's egress is its children times the payload times
+`egress_overhead` (tx bytes per payload byte at N = 1: headers, control calls). Ignored: a
+member's forwarding CPU, per-piece framing.
 
     python model.py results.json          # the star check and the N = 64, 256 predictions
 """
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +49,10 @@ class Costs:
     stage_s_per_byte: float
     fixed_s: float = 0.0
     egress_overhead: float = 1.0
+    trainer_cpu_s: float = 0.0
+    member_cpu_s: float = 0.0
+    shared_cores: int | None = None     # the emulation: every host on these cores
+    overlapped: bool = True             # members' CPU runs while bytes arrive (raw), or after
 
     @classmethod
     def measured(cls, result: dict[str, Any], encoding: str = "raw", shape: str = "star",
@@ -53,11 +64,13 @@ class Costs:
         one = rows[0]
         payload = result["model_bytes"] if encoding == "raw" else one["wire_bytes"]
         base = cls(payload, result["model_bytes"] / link["one_copy_s"],
-                   link["rtt_loaded_s"] or link["rtt_idle_s"], result["stage_s_per_byte"])
-        carry, _ = simulate(base, one["members"], *SHAPES[shape](one["members"]), piece=piece)
-        return cls(payload, base.link_Bps, base.hop_latency_s, base.stage_s_per_byte,
-                   fixed_s=max(0.0, one["seconds"] - carry),
-                   egress_overhead=one["egress_bytes"] / (payload * one["members"]))
+                   link["rtt_loaded_s"] or link["rtt_idle_s"], result["stage_s_per_byte"],
+                   trainer_cpu_s=one.get("trainer_cpu_s", 0.0),
+                   member_cpu_s=one.get("members_cpu_s", 0.0) / one["members"],
+                   shared_cores=result["cores"], overlapped=encoding == "raw")
+        modelled, _ = simulate(base, one["members"], *SHAPES[shape](one["members"]), piece=piece)
+        return replace(base, fixed_s=max(0.0, one["seconds"] - modelled),
+                       egress_overhead=one["egress_bytes"] / (payload * one["members"]))
 
 
 SHAPES = {                                   # name -> (members) -> (root, degree)
@@ -107,19 +120,26 @@ def simulate(c: Costs, n: int, root: int, degree: int, piece: int = 2**20) -> tu
             for k, size in enumerate(sizes):
                 cpu_free = max(arrive[v][k], cpu_free) + size * c.stage_s_per_byte
                 ready[v][k] = cpu_free
-    done = max(ready[v][-1] for v in range(1, n + 1))
-    return done + c.fixed_s, len(children[0]) * c.payload_bytes * c.egress_overhead
+    carry = max(ready[v][-1] for v in range(1, n + 1))
+    egress = len(children[0]) * c.payload_bytes * c.egress_overhead
+    if not c.overlapped:          # every member's tail after its last piece, on shared cores
+        tail = max(c.member_cpu_s, n * c.member_cpu_s / c.shared_cores if c.shared_cores else 0.0)
+        return carry + tail + c.fixed_s, egress
+    cpu = ((c.trainer_cpu_s + n * c.member_cpu_s) / c.shared_cores if c.shared_cores
+           else max(c.trainer_cpu_s, c.member_cpu_s))
+    return max(carry, cpu) + c.fixed_s, egress
 
 
 def predict(result: dict[str, Any], encoding: str = "raw") -> dict[str, Any]:
     """The star check against the measured star rows, and predictions at PREDICT_N."""
-    c = Costs.measured(result, encoding)
+    emulated = Costs.measured(result, encoding)
+    c = replace(emulated, shared_cores=None)      # a real cluster: every host its own cores
     one = result["link"]["one_copy_s"]
     model = result["model_bytes"]
     check = []
     for r in sorted((r for r in result["rows"] if r["encoding"] == encoding and r["shape"] == "star"),
                     key=lambda r: r["members"]):
-        s, e = simulate(c, r["members"], r["members"], 0)
+        s, e = simulate(emulated, r["members"], r["members"], 0)
         check.append({"members": r["members"], "measured_s": round(r["seconds"], 3),
                       "predicted_s": round(s, 3), "error": round(s / r["seconds"] - 1, 3),
                       "measured_egress_x": round(r["egress_bytes"] / model, 3),
@@ -134,7 +154,7 @@ def predict(result: dict[str, Any], encoding: str = "raw") -> dict[str, Any]:
             out.append({"members": n, "shape": name, "piece_bytes": piece if name != "star" else None,
                         "seconds": round(s, 3), "x_one_copy": round(s / one, 3),
                         "egress_x_model": round(e / model, 3)})
-    return {"encoding": encoding, "costs": asdict(c), "star_check": check, "predictions": out}
+    return {"encoding": encoding, "costs": asdict(emulated), "star_check": check, "predictions": out}
 
 
 def table(pred: dict[str, Any]) -> str:

@@ -7,7 +7,8 @@ What it measures, all over the shaped links:
 - the link's round trip for one byte, idle and while a bulk copy fills the link (queueing);
 - the stage cost per byte of one member: a one-core copy + xxh3 pass (what every stage does);
 - per members N, shape and encoding: `WeightSync.push` end to end (best of `repeat` after one
-  warm-up) and the trainer's egress during each push (its link's tx counter delta).
+  warm-up), the trainer's egress during each push (its link's tx counter delta), and the CPU
+  seconds the trainer and the members spent on it (all of them share this machine's cores).
 
     python worker.py SPEC.json
 """
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from weightsync import WeightSync
-from weightsync.bench.measure import DELTA_DENSITY, perturbed
+from weightsync.bench.measure import DELTA_DENSITY, cpu_seconds, perturbed
 from weightsync.bench.model import model_bytes
 from weightsync.testing import EngineProcess, start_all
 from weightsync.testing.netns import link_bytes
@@ -200,15 +201,20 @@ class Pushes:
                     sync.encoding.settle()                   # the trainer's kept-version patch
                     self.seed += 1
                     model = perturbed(model, DELTA_DENSITY, self.seed)
+                pids = [e.proc.pid for e in engines if e.proc is not None]
                 tx0 = trainer_tx(self.spec)
+                cpu0, mine0 = cpu_seconds(pids), cpu_seconds([])
                 t0 = time.perf_counter()
                 r = self._push(sync, model, engines)
                 dt = time.perf_counter() - t0
+                mine = cpu_seconds([]) - mine0
                 egress = trainer_tx(self.spec) - tx0
                 if i:
                     runs.append({"seconds": dt, "egress_bytes": egress, "wire_bytes": r.wire_bytes,
                                  "pause_window_s": round(r.pause_window, 4),
-                                 "density": r.density})
+                                 "density": r.density, "trainer_cpu_s": round(mine, 4),
+                                 "stages": {k: round(v, 4) for k, v in r.seconds.items()},
+                                 "members_cpu_s": round(cpu_seconds(pids) - cpu0 - mine, 4)})
         finally:
             if encoding == "delta":
                 sync.encoding.settle()
