@@ -196,6 +196,7 @@ class Cluster:
     def __enter__(self) -> Cluster:
         require()
         sweep_stale()
+        delete(namespaces(self.tag + "-"))   # a dead run's, whose pid this process reuses
         self._trap_sigterm()
         try:
             self._build()
@@ -229,11 +230,11 @@ class Cluster:
                 self._old_term = None
 
     def _ns(self, name: str) -> None:
+        self._made.append(name)             # first: an interrupt right after `add` still cleans it
         try:
             _sh("ip", "netns", "add", name)
         except RuntimeError as e:
             raise NetnsUnavailable(f"cannot make a network namespace: {e}") from e
-        self._made.append(name)
         _sh("ip", "-n", name, "link", "set", "lo", "up")
 
     def _shape(self, ns: str, dev: str) -> None:
