@@ -31,11 +31,13 @@ class EngineProcess:
                  name: str | None = None, log: Path | None = None, env: dict[str, str] | None = None,
                  device: str = "cpu", load_roots: list[str] | None = None,
                  extra_args: list[str] | None = None, scheme: str = "http",
-                 verify: bool | str = True, program: list[str] | None = None) -> None:
+                 verify: bool | str = True, program: list[str] | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.model_dir = str(model_dir)
+        self.host = host                # where it listens (an emulated host's address: netns)
         self.port = port or free_port()
         self.api_key = api_key
-        self.name = name or f"127.0.0.1:{self.port}"
+        self.name = name or f"{host}:{self.port}"
         self.log = log
         self.env = env
         self.device = device
@@ -50,7 +52,7 @@ class EngineProcess:
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def spec(self) -> dict:
         d: dict = {"url": self.url, "name": self.name}
@@ -65,7 +67,7 @@ class EngineProcess:
 
     def launch(self) -> "EngineProcess":
         """Start the process without waiting for it (`start_all` starts several at once)."""
-        cmd = [*self.program, "serve", "--model", self.model_dir,
+        cmd = [*self.program, "serve", "--model", self.model_dir, "--host", self.host,
                "--port", str(self.port), "--name", self.name, "--device", self.device]
         for root in self.load_roots:
             cmd += ["--load-root", root]

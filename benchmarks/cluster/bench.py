@@ -1,0 +1,198 @@
+"""The cluster bench: push seconds and the trainer's egress against the number of members, on an
+emulated cluster of network namespaces with every link shaped by tc tbf (`weightsync.testing.
+netns`): the trainer on a host of its own, each reference engine on its own, and every byte
+between them through a shaped link into one bridge.
+
+    sudo .venv/bin/python benchmarks/cluster/bench.py --members 1,2,4,8,16 \
+        --json benchmarks/cluster/results.json           # PNG next to it
+
+This process (root namespace) writes the synthetic model, builds the cluster and runs
+`worker.py` inside the trainer's namespace; the worker starts the engines in theirs, measures
+and writes JSON; this process adds the model's predictions (`model.py`), prints the table and
+writes the JSON and the PNG. Without root or iproute2 it prints why it skipped and exits 0: it
+never prints numbers it did not measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from model import predict
+from model import table as model_table
+from worker import ENCODINGS, SHAPES
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--members", default="1,2,4,8,16", help="comma list of fleet sizes N")
+    p.add_argument("--shape", default="star", help=f"comma list of shapes: {', '.join(SHAPES)}")
+    p.add_argument("--encodings", default="raw,delta", help=f"comma list: {', '.join(ENCODINGS)}")
+    p.add_argument("--size", default="64MiB", help="model size (bf16, LLM shapes)")
+    p.add_argument("--bucket", default=None, help="exporter bucket size (default: the exporter's)")
+    p.add_argument("--rate", default="400mbit", help="every link's rate, both directions (tc)")
+    p.add_argument("--latency", default="20ms", help="tbf's queue bound on every link end")
+    p.add_argument("--repeat", type=int, default=3, help="timed pushes per row, after one warm-up")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--png", default=None, help="write the chart here (default: next to --json)")
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    args = p.parse_args(argv)
+    args.members = sorted({int(x) for x in args.members.split(",") if x.strip()})
+    args.shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
+    args.encodings = [e.strip() for e in args.encodings.split(",") if e.strip()]
+    if not args.members or min(args.members) < 1:
+        p.error(f"--members needs sizes of at least 1, got {args.members}")
+    for what, got, known in (("shape", args.shapes, SHAPES), ("encoding", args.encodings, ENCODINGS)):
+        unknown = [x for x in got if x not in known]
+        if unknown:
+            p.error(f"unknown {what} {unknown}; this transport supports: {', '.join(known)}")
+    return args
+
+
+def write_model(size: str, path: Path) -> int:
+    from safetensors.torch import save_file
+    from weightsync.bench.model import model_bytes, synthetic_model
+    from weightsync.config import parse_bytes
+    sd = synthetic_model(parse_bytes(size))
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path / "model.safetensors"))
+    return model_bytes(sd)
+
+
+def with_ratios(result: dict[str, Any]) -> None:
+    one, model = result["link"]["one_copy_s"], result["model_bytes"]
+    # the link's line time: the model's bytes at the shaped rate, no header counted
+    result["link"]["line_s"] = round(model / result["cluster"]["rate_bytes"], 4)
+    for r in result["rows"]:
+        r["x_one_copy"] = round(r["seconds"] / one, 3)
+        r["egress_x_model"] = round(r["egress_bytes"] / model, 3)
+
+
+def table(result: dict[str, Any]) -> str:
+    one = result["link"]["one_copy_s"]
+    head = (f"one copy over one link: {one:.3f} s ({result['model_bytes'] / 2**20:.0f} MiB at "
+            f"{result['cluster']['rate']}: plain TCP; the line time without headers is "
+            f"{result['link']['line_s']:.3f} s)")
+    lines = [head, "",
+             "| N | shape | encoding | push s | push / one copy | trainer egress / model bytes |",
+             "|---:|---|---|---:|---:|---:|"]
+    lines += [f"| {r['members']} | {r['shape']} | {r['encoding']} | {r['seconds']:.3f} | "
+              f"{r['x_one_copy']:.2f} | {r['egress_x_model']:.3f} |" for r in result["rows"]]
+    return "\n".join(lines)
+
+
+def chart(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_s, ax_e) = plt.subplots(1, 2, figsize=(11, 4.2))
+    one = result["link"]["one_copy_s"]
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for r in result["rows"]:
+        lines.setdefault(f"{r['shape']} {r['encoding']}", []).append(r)
+    ns = sorted({r["members"] for r in result["rows"]})
+    for label, rows in lines.items():
+        rows.sort(key=lambda r: r["members"])
+        x = [r["members"] for r in rows]
+        ax_s.plot(x, [r["seconds"] for r in rows], marker="o", label=label)
+        ax_e.plot(x, [r["egress_x_model"] for r in rows], marker="o", label=label)
+    ax_s.axhline(one, color="gray", ls="--", label="one copy over one link")
+    ax_s.plot(ns, [n * one for n in ns], color="gray", ls=":", label="N x one copy")
+    ax_e.axhline(1.0, color="gray", ls="--", label="one model")
+    for ax, title, ylabel in ((ax_s, "push seconds", "seconds"),
+                              (ax_e, "trainer egress", "egress / model bytes")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("members N")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['model_bytes'] / 2**20:.0f} MiB model, every link "
+                 f"{result['cluster']['rate']} (tc tbf, both directions)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from weightsync.testing.netns import Cluster
+    if "delta" in args.encodings:
+        from weightsync.plugins import load_components
+        if "delta" not in load_components().encodings:
+            raise SystemExit("encoding delta needs the disk_delta plugin: pip install "
+                             "./plugins/disk_delta (or leave it out: --encodings raw)")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="weightsync-cluster-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        size = write_model(args.size, work / "model")
+        print(f"cluster bench: {size / 2**20:.0f} MiB model, members {args.members}, shapes "
+              f"{args.shapes}, encodings {args.encodings}, links {args.rate}", flush=True)
+        t0 = time.perf_counter()
+        hosts = ["trainer"] + [f"e{i}" for i in range(max(args.members))]
+        with Cluster(hosts, rate=args.rate, latency=args.latency) as c:
+            spec = {"cluster": c.spec(), "workdir": str(work), "members": args.members,
+                    "shapes": args.shapes, "encodings": args.encodings, "repeat": args.repeat,
+                    "bucket": args.bucket, "out": str(work / "worker.json")}
+            (work / "spec.json").write_text(json.dumps(spec))
+            r = c.run("trainer", [sys.executable, str(HERE / "worker.py"), str(work / "spec.json")])
+            if r.returncode != 0:
+                raise SystemExit(f"the trainer's worker failed ({r.returncode}); engine logs are "
+                                 f"in {work} (rerun with --workdir to keep them)")
+        result = json.loads((work / "worker.json").read_text())
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    result["cluster"] = {k: v for k, v in spec["cluster"].items() if k != "hosts"}
+    result["cluster"]["hosts"] = len(hosts)
+    with_ratios(result)
+    result.update({"members": args.members, "shapes": args.shapes, "encodings": args.encodings,
+                   "repeat": args.repeat, "cores": os.cpu_count(), "kernel": platform.release(),
+                   "loadavg_at_end": round(os.getloadavg()[0], 2),
+                   "wall_s": round(time.perf_counter() - t0, 1),
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    result["model"] = {e: predict(result, e) for e in args.encodings
+                       if any(r["shape"] == "star" and r["encoding"] == e for r in result["rows"])}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from weightsync.testing.netns import NetnsUnavailable, probe
+    try:
+        probe()
+    except NetnsUnavailable as e:
+        print(f"cluster bench skipped: {e}")
+        return 0
+    result = run(args)
+    print()
+    print(table(result))
+    for pred in result["model"].values():
+        print()
+        print(model_table(pred))
+    if args.json:
+        p = Path(args.json)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {p}")
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        chart(result, Path(png))
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
