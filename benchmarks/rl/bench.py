@@ -25,12 +25,11 @@ from typing import Any
 import torch
 
 from weightsync import WeightSync
+from weightsync.demo import LR, build_demo_model
 from weightsync.rl import CountingTask, RLLoop
-from weightsync.rl.task import VOCAB
 from weightsync.rollout import RolloutClient, SamplingParams
 from weightsync.testing import EngineProcess
 from weightsync.testing.engines import start_all
-from weightsync.testing.models import build_tiny_model
 
 
 def throughput(client: RolloutClient) -> dict[str, float]:
@@ -60,7 +59,7 @@ def loop(mode: str, steps: int, model_dir: Path, work: Path, workload: str = "de
     from weightsync.testing.models import load_trainer_model
     torch.manual_seed(0)
     model = load_trainer_model(model_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     # each engine computes on `threads` threads: the trainer and two engines share the cores
     env = {"OMP_NUM_THREADS": str(threads)}
     engines = start_all([EngineProcess(model_dir, name=n, log=work / f"{mode}-{n}.log", env=env)
@@ -119,7 +118,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.trainer_threads)
     work = Path(tempfile.mkdtemp(prefix="ws-rl-bench-"))
-    build_tiny_model(work / "m", "llama", vocab=VOCAB, hidden=64, intermediate=128)
+    build_demo_model(work / "m")
     rows = [loop(mode, args.steps, work / "m", work, w, args.engine_threads)
             for w in args.workloads.split(",") for mode in ("sync", "async")]
     tput = next((r["throughput"] for r in rows if r["throughput"]), None)

@@ -46,13 +46,18 @@ def run_demo(engine: str = "reference", steps: int = 40, workdir: str | None = N
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _setup(model_dir: Path) -> tuple[Any, Any]:
+def build_demo_model(model_dir: Path) -> torch.nn.Module:
+    """The demo's policy: a 2-layer Llama over the task's 16 tokens, saved to `model_dir`. One
+    head of 64: vLLM's CPU attention has kernels for head sizes such as 64, not 16."""
     from .rl.task import VOCAB
     from .testing.models import build_tiny_model
     torch.manual_seed(0)
-    # one head of 64: vLLM's CPU attention has kernels for head sizes such as 64, not 16
-    model = build_tiny_model(model_dir, "llama", vocab=VOCAB, hidden=64, intermediate=128,
-                             heads=1, kv_heads=1)
+    return build_tiny_model(model_dir, "llama", vocab=VOCAB, hidden=64, intermediate=128,
+                            heads=1, kv_heads=1)
+
+
+def _setup(model_dir: Path) -> tuple[Any, Any]:
+    model = build_demo_model(model_dir)
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
 
 
