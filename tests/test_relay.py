@@ -154,3 +154,31 @@ def test_a_relay_killed_at_random_moments_costs_no_survivor_a_mixed_version(
             held[victim.name] = model[1]
             old = new
     assert fed >= 1, "no trial needed the trainer's direct send: the kills never hit a relay"
+
+
+@pytest.mark.parametrize("fleet", [(1, None)], indirect=True)
+def test_relay_routes_refuse_what_the_trainer_did_not_announce(fleet: list[EngineProcess]) -> None:
+    """No relay token, a wrong one, or a bucket never announced: refused, nothing staged; a
+    malformed announcement says what it lacks."""
+    import requests
+    e = fleet[0]
+    plan = {"version": 1, "transport": {"kind": "http"}, "encoding": {"kind": "raw"}}
+    rid = requests.post(e.url + "/weightsync/begin", json=plan, timeout=10).json()["round"]
+    hdr = {"X-Weightsync-Round": rid}
+    r = requests.post(e.url + "/weightsync/relay", data=b"x" * 64, headers=hdr, timeout=10)
+    assert r.status_code == 400 and "relay token" in r.json()["error"], r.text
+    r = requests.post(e.url + "/weightsync/expect", json={"index": 0}, headers=hdr, timeout=10)
+    assert r.status_code == 400 and "malformed" in r.json()["error"], r.text
+    good = {"index": 0, "header": {"index": 0, "nbytes": 5000}, "pieces": ["a", "b"],
+            "piece_bytes": 4096, "name": e.name, "ack_key": "k" * 32, "token": "t" * 32}
+    r = requests.post(e.url + "/weightsync/expect", json=good, headers=hdr, timeout=10)
+    assert r.status_code == 200, r.text
+    r = requests.post(e.url + "/weightsync/relay", data=b"x" * 64,
+                      headers={**hdr, "X-Weightsync-Relay": "u" * 32}, timeout=10)
+    assert r.status_code == 400 and "relay token" in r.json()["error"], r.text
+    from weightsync.wire import frame
+    body = b"".join(bytes(p) for p in frame({"index": 3, "nbytes": 4}, b"abcd"))
+    r = requests.post(e.url + "/weightsync/relay", data=body,
+                      headers={**hdr, "X-Weightsync-Relay": "t" * 32}, timeout=10)
+    assert r.status_code == 400 and "announced no bucket 3" in r.json()["error"], r.text
+    assert e.health()["relay"]["received"] == 0
