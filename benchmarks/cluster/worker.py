@@ -40,6 +40,9 @@ from weightsync.testing.netns import link_bytes
 # its own copy over `http`, which is what exists today.
 SHAPES: dict[str, dict[str, Any]] = {
     "star": {"transport": {"kind": "http"}},
+    # members pass each bucket on in checked pieces (docs/transports.md, relay shapes)
+    "chain": {"transport": {"kind": "http", "options": {"shape": "chain"}}},
+    "tree": {"transport": {"kind": "http", "options": {"shape": "tree", "degree": 2}}},
 }
 ENCODINGS: dict[str, dict[str, Any] | None] = {
     "raw": None,

@@ -114,6 +114,14 @@ class ReferenceAdapter(Adapter):
         return Endpoint(self.base + "/weightsync/payload", self._headers(),
                         self.bounded(self.options.payload_timeout))
 
+    def relay_target(self) -> Endpoint | None:
+        rid = {ROUND_HEADER: self.round_id} if self.round_id else {}
+        return Endpoint(self.base + "/weightsync/relay", rid,
+                        self.bounded(self.options.payload_timeout))
+
+    def expect(self, body: Mapping[str, Any]) -> None:
+        self._post("/weightsync/expect", dict(body))
+
     def announce(self, header: Mapping[str, Any]) -> None:
         self._post("/weightsync/announce", dict(header), timeout=self.options.payload_timeout)
 

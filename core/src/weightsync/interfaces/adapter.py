@@ -113,6 +113,15 @@ class Adapter(Bounded, Component):
     def payload_endpoint(self) -> Endpoint:
         raise NotImplementedError(f"adapter {self.name!r} has no HTTP payload endpoint")
 
+    def relay_target(self) -> Endpoint | None:
+        """Relay shapes of `http`: where a parent member posts this engine's frames (URL and
+        round headers, never the API key); None: the engine takes payloads from the trainer only."""
+        return None
+
+    def expect(self, body: Mapping[str, Any]) -> None:
+        """Relay shapes: tell the engine what a bucket that comes through a relay must be."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot take relayed payloads")
+
     def announce(self, header: Mapping[str, Any]) -> None:
         raise NotImplementedError(f"adapter {self.name!r} cannot announce out-of-band payloads")
 

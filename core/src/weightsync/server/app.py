@@ -24,6 +24,9 @@ checked before bodies, bodies capped per route, connections capped and timed out
                                     -> {"round": id, "version": v, "lease": s}; 409 while a round is open
   POST /weightsync/renew            {"lease": s}: extends the open round's lease (and a leased pause)
   POST /weightsync/payload          frame: u64 header length, JSON header, body (http transport)
+  POST /weightsync/expect            relay shapes: a bucket's header, piece digests, children
+  POST /weightsync/relay            (X-Weightsync-Relay: token, no API key) a frame forwarded
+                                    by a parent member (weightsync.receiver.relay)
   POST /weightsync/announce         JSON header of a body placed out of band (shm, collective)
   POST /weightsync/join             group info (collective); returns once joined
   POST /weightsync/end              -> {"digests": {index: digest}}
@@ -182,6 +185,22 @@ def _payload(h: Any, q: dict) -> Any:
     return {"digest": h.engine.apply_stream(_rid(h), header, read_into, nbytes)}
 
 
+@routes.add("POST", "/weightsync/expect", max_body=JSON_CAP)
+def _expect(h: Any, q: dict) -> Any:
+    h.engine.expect(_rid(h), h.json_body())
+    return {"status": "expected"}
+
+
+@routes.add("POST", "/weightsync/relay", auth=False, max_body=lambda: 0)   # replaced per engine
+def _relay(h: Any, q: dict) -> Any:
+    from ..receiver.relay import RELAY_HEADER, Tampered
+    read_into = h.body_reader()
+    try:
+        return h.engine.relay(_rid(h), h.headers.get(RELAY_HEADER), read_into, read_into.left)
+    except Tampered as e:
+        raise HttpError(422, str(e), members=e.members) from None
+
+
 @routes.add("POST", "/weightsync/announce", max_body=JSON_CAP)
 def _announce(h: Any, q: dict) -> Any:
     return {"digest": h.engine.apply(_rid(h), h.json_body(), None)}
@@ -271,6 +290,8 @@ def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0,
     payload = mine.table[("POST", "/weightsync/payload")]
     mine.table[("POST", "/weightsync/payload")] = type(payload)(payload.fn, True,
                                                                  model_bytes + JSON_CAP)
+    fwd = mine.table[("POST", "/weightsync/relay")]     # the relay token is checked instead
+    mine.table[("POST", "/weightsync/relay")] = type(fwd)(fwd.fn, False, model_bytes + JSON_CAP)
     roots = tuple(Path(r).resolve() for r in (load_roots or []))
     return make_http_server(mine, host, port, api_key=api_key, name=f"engine {engine.name}",
                             state={"engine": engine, "load_roots": roots},

@@ -13,7 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -22,6 +22,7 @@ from ..bucket import dtype_name
 from ..errors import PayloadError
 from ..fleet.peer import Shares, pull
 from ..receiver import ReceiveSession, check_tensor, read_checkpoint
+from ..receiver.relay import Desk, relay
 from ..signing import check_checkpoint
 from .generation import Conflict, Generation, VersionGate  # noqa: F401 - re-exported
 from .model import LoadedModel
@@ -49,6 +50,7 @@ class Round:
     session: ReceiveSession
     lease: float
     expires: float                      # time.monotonic() deadline
+    desk: Desk = field(default_factory=Desk)    # relay shapes: what the trainer announced
 
     def left(self) -> float:
         return max(0.0, self.expires - time.monotonic())
@@ -73,6 +75,7 @@ class ReferenceEngine(Generation):
         self.shares = Shares(key=hmac_key)       # peer join: tokens this engine serves
         self.pulled = 0                          # versions taken from a peer
         self.pulled_from: str | None = None
+        self.relayed = {"received": 0, "forwarded": 0}   # buckets that came through a relay
         self.distrusted: dict[str, Any] | None = None   # set when the trainer's probe failed
         self.sampler: Sampler | None = None
         if model.module is not None:
@@ -154,6 +157,22 @@ class ReferenceEngine(Generation):
                      read_into: Callable[[memoryview], int], nbytes: int) -> str:
         """`apply` for a body still arriving on the request (the http payload route)."""
         return self._current(rid).session.apply_stream(header, read_into, nbytes)
+
+    def expect(self, rid: str | None, body: Mapping[str, Any]) -> None:
+        """The trainer announces a bucket that will arrive through a relay (receiver.relay)."""
+        self._current(rid).desk.expect(body)
+
+    def relay(self, rid: str | None, token: str | None, read_into: Callable[[memoryview], int],
+              total: int) -> dict[str, Any]:
+        """A frame forwarded by a parent member: token checked before any body byte is read."""
+        from ..wire import read_frame_header
+        r = self._current(rid)
+        r.desk.check_token(token)
+        header, nbytes = read_frame_header(read_into, total)
+        out = relay(r.session, r.desk, header, read_into, nbytes)
+        self.relayed["received"] += 1
+        self.relayed["forwarded"] += len(r.desk.get(header.get("index")).children)
+        return out
 
     def end(self, rid: str | None) -> dict[int, str]:
         return self._current(rid).session.end()
@@ -293,7 +312,8 @@ class ReferenceEngine(Generation):
     def health(self) -> dict[str, Any]:
         r = self.round
         return {"status": "ok", "version": self.version, "weight_version": self.version,
-                "paused": self.paused, "distrusted": self.distrusted, "peer": {"pulled": self.pulled, "from": self.pulled_from,
+                "paused": self.paused, "distrusted": self.distrusted,
+                "relay": dict(self.relayed), "peer": {"pulled": self.pulled, "from": self.pulled_from,
                                                 "served_buckets": self.shares.served},
                 "round": None if r is None else {"id": r.id, "version": r.version,
                                                  "expires_in": round(r.left(), 3)}}

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+import time
+from typing import Any, Literal, Mapping, Sequence
 
 import requests
 import torch
@@ -24,6 +25,7 @@ from ..errors import EngineUnavailable, PayloadError, TransportError
 from ..httpclient import Parts, call, session_for
 from ..interfaces import Adapter, Payload, Transport, TransportReceiver
 from ..wire import frame
+from .relay import Relays
 
 
 class HttpOptions(BaseModel):
@@ -32,6 +34,16 @@ class HttpOptions(BaseModel):
     retries: int = Field(1, ge=0, description="extra tries on a dropped connection")
     buffers: int = Field(2, ge=1, le=8, description="send buffers used in turn (2: the exporter "
                                                     "packs bucket i+1 while bucket i is sent)")
+    shape: Literal["star", "chain", "tree"] = Field(
+        "star", description="star: the trainer sends every engine its own copy; chain/tree: the "
+                            "trainer sends one copy to one engine and engines pass it on, "
+                            "piece by piece, each piece checked against digests the trainer "
+                            "announced (engines that cannot relay still get their own copy)")
+    degree: int = Field(2, ge=1, le=64, description="tree: engines each engine feeds (chain: 1)")
+    piece_bytes: int = Field(256 << 10, ge=4096, le=64 << 20,
+                             description="chain/tree: bytes per forwarded and checked piece")
+    stall: float = Field(30.0, gt=0, description="chain/tree: seconds a relay waits for its "
+                                                 "child's next read before giving up on it")
 
 
 class HttpReceiver(TransportReceiver):
@@ -80,6 +92,14 @@ class HttpTransport(Transport):
         self._lock = threading.Lock()
         self._pending: list[tuple[str, Future]] = []     # (engine, POST) not yet collected
         self._seq = 0
+        o = self.options
+        self._relays = None if o.shape == "star" else \
+            Relays(1 if o.shape == "chain" else o.degree, o.piece_bytes, o.stall)
+
+    @property
+    def relay_events(self) -> list[str]:
+        """What the relay shapes did this round beyond the plan (fallbacks, relays blamed)."""
+        return list(self._relays.events) if self._relays is not None else []
 
     # -- buffers ----------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -148,8 +168,17 @@ class HttpTransport(Transport):
                 if not isinstance(e, EngineUnavailable) or attempt == self.options.retries:
                     raise
 
+    def _left(self) -> float:
+        return self.options.timeout if self.deadline is None else self.deadline - time.monotonic()
+
+    def _relay_post(self, adapter: Adapter, kwargs: dict[str, Any], timeout: float) -> Any:
+        """The root's POST (no API key: its relay token), answered with a status either way."""
+        return self._session(adapter, 2).post(timeout=min(timeout, self.options.timeout), **kwargs)
+
     def open(self, engines: Sequence[Adapter], version: int) -> dict[str, BaseException]:
         self._collect(wait=True)
+        if self._relays is not None:
+            self._relays.open()
         with self._lock:
             self._turn = 0
             for b in self._ring:         # a payload allocated by an aborted sync was never sent
@@ -167,7 +196,10 @@ class HttpTransport(Transport):
         for name, f in done:
             err = f.exception() if wait or f.done() else None
             if err is not None:
-                failures.setdefault(name, err)
+                failures.setdefault(name or "relay", err)
+            elif not name and (wait or f.done()):      # a relayed bucket: its failures by name
+                for n, e in f.result().items():
+                    failures.setdefault(n, e)
         return failures
 
     def send(self, payload: Payload, engines: Sequence[Adapter]) -> dict[str, BaseException]:
@@ -180,14 +212,21 @@ class HttpTransport(Transport):
                                             thread_name_prefix="ws-http")
         self._seq += 1
         lane = self._seq % 2
-        posts = {a.engine_name: self._pool.submit(self._post, a, payload, body, lane) for a in engines}
-        self._release_when_done(buf, list(posts.values()))
+        relayed = [a for a in engines if a.relay_target() is not None] if self._relays else []
+        if len(relayed) < 2:
+            relayed = []
+        star = [a for a in engines if a not in relayed]
+        posts = {a.engine_name: self._pool.submit(self._post, a, payload, body, lane) for a in star}
+        jobs = [self._pool.submit(self._relays.push, payload, body, relayed, self._relay_post,
+                                  lambda a: self._post(a, payload, body, lane), self._left)
+                ] if relayed and self._relays is not None else []
+        self._release_when_done(buf, list(posts.values()) + jobs)
         with self._lock:
-            self._pending += [(n, posts[n]) for n in posts]
+            self._pending += [(n, posts[n]) for n in posts] + [("", j) for j in jobs]
         # engines that take payloads in any order keep this one in flight while the next is
         # packed and sent; the others (and a body not in our buffers) get it answered first
         overlap = buf is not None and all(a.ordered_announces for a in engines)
-        previous = len(engines) if overlap else 0
+        previous = len(posts) + len(jobs) if overlap else 0
         return self._collect(wait=True, keep=previous)
 
     def finish(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
@@ -198,6 +237,8 @@ class HttpTransport(Transport):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._relays is not None:
+            self._relays.close()
         for s in self._sessions.values():
             s.close()
         self._sessions.clear()
