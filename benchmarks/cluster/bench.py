@@ -33,6 +33,8 @@ from model import predict
 from model import table as model_table
 from worker import ENCODINGS, SHAPES
 
+from weightsync.bench.harness import save
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -182,15 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     for pred in result["model"].values():
         print()
         print(model_table(pred))
-    if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {p}")
-    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if png:
-        chart(result, Path(png))
-        print(f"wrote {png}")
+    save(result, args.json, args.png, chart)
     return 0
 
 

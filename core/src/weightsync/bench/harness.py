@@ -272,18 +272,25 @@ class Bench(Baselines, TransportRows):
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def save(result: dict[str, Any], json_path: str | None, png_path: str | None,
+         chart: Callable[[dict[str, Any], Path], Any]) -> None:
+    """Write a bench's result as JSON (when asked) and its chart as PNG (asked, or next to the
+    JSON), saying where; shared by every benchmark that keeps results."""
+    if json_path:
+        p = Path(json_path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {p}")
+    png = png_path or (str(Path(json_path).with_suffix(".png")) if json_path else None)
+    if png:
+        chart(result, Path(png))
+        print(f"wrote {png}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     bench = Bench(args)
     result = bench.run()
     print()
     print(table(result))
-    if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {p}")
-    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if png:
-        bar_chart(result, Path(png))
-        print(f"wrote {png}")
+    save(result, args.json, args.png, bar_chart)
     return 0
