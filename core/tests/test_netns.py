@@ -93,8 +93,11 @@ def test_cleanup_after_an_exception_kills_what_runs_inside() -> None:
     assert leftovers(tag) == ([], [])
 
 
+# The child installs Python's own Ctrl-C handler: a suite started in the background (CI under a
+# non-interactive shell, nohup) hands its processes SIGINT ignored, and they would not see it.
 CHILD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from weightsync.testing.netns import Cluster
 with Cluster(["a", "b"]) as c:
     print(c.tag, flush=True)
