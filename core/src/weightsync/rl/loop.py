@@ -3,12 +3,13 @@
 `mode="sync"`: generate with version t, train, push t+1, generate with t+1, ... (the engines idle
 while the trainer trains and pushes). `mode="async"`: the rollouts of the next step are generated
 while this step trains and its weights are pushed (one step off-policy, as verl's and AReaL's
-async loops: the engines keep generating through the push, and pause only for the swap); samples older than `max_staleness`
-versions are dropped and counted. A sample whose generation spans the swap is kept, as AReaL's
-interruptible generation keeps it: its tokens carry the logprobs of the version that sampled
-each of them, which is all the clipped importance ratio needs, and it counts as old as its first
-version (`mixed` in the step's stats; the gap, which needs one version per sample, skips it).
-Refusing it instead (`keep_mixed=False`) costs a second generation of it after every swap. Every step measures the train–inference gap (the trainer's
+async loops: the engines keep generating through the push, and pause only for the swap);
+samples older than `max_staleness` versions are dropped and counted. A sample whose generation
+spans the swap is kept, as AReaL's interruptible generation keeps it: its tokens carry the
+logprobs of the version that sampled each of them, which is all the clipped importance ratio
+needs, and it counts as old as its first version (`mixed` in the step's stats; the gap, which
+needs one version per sample, skips it). Refusing it instead (`keep_mixed=False`) costs a second
+generation of it after every swap. Every step measures the train–inference gap (the trainer's
 logprobs of the sampled tokens under the version that generated them, against the engines') per
 engine and version, and, when `busy` is given, how much of the push the engines spent generating.
 
