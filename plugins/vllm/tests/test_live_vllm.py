@@ -265,7 +265,9 @@ def test_a_killed_trainers_round_lapses_in_vllm_too(live: Live, tmp_path: Path) 
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         killed = time.monotonic()
-        while live.adapter().is_paused() and time.monotonic() - killed < 2.0 + 10.0:
+        # the lease (2 s) lapses, then the watchdog ends vLLM's update session and resumes it:
+        # two HTTP calls into a CPU vLLM that a loaded 2-core machine can hold up for seconds
+        while live.adapter().is_paused() and time.monotonic() - killed < 2.0 + 60.0:
             time.sleep(0.1)
         assert not live.adapter().is_paused(), "vLLM stayed paused after the lease lapsed"
     finally:
