@@ -69,7 +69,7 @@ def test_a_push_reaches_every_member_through_the_members(
         degree: int, encoding: str | None) -> None:
     from weightsync.plugins import load_components
     if encoding and encoding not in load_components().encodings:
-        pytest.skip(f"no {encoding!r} encoding is registered (its plugin is not installed)")
+        pytest.skip(reason=f"no {encoding!r} encoding is registered (its plugin is not installed)")
     sd = model[1]
     with WeightSync.from_config(config(fleet, shape, degree, encoding)) as sync:
         for v in (1, 2):

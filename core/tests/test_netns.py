@@ -19,7 +19,7 @@ from weightsync.testing import netns
 try:
     netns.probe()
 except netns.NetnsUnavailable as e:
-    pytest.skip(str(e), allow_module_level=True)
+    pytest.skip(reason=str(e), allow_module_level=True)
 
 PORT = 9500
 SINK = """

@@ -29,6 +29,7 @@ import requests
 from ..errors import PayloadError
 from ..pieces import entry, piece_digest
 from ..wire import frame
+from .staging import read_exact
 
 RELAY_HEADER = "X-Weightsync-Relay"
 _END = object()
@@ -177,13 +178,10 @@ def relay(session: Any, desk: Desk, header: Mapping[str, Any],
     try:
         for k, a in enumerate(range(0, nbytes, e.piece_bytes)):
             b = min(nbytes, a + e.piece_bytes)
-            got = 0
-            while got < b - a:
-                n = read_into(body[a + got: b])
-                if not n:
-                    raise PayloadError(f"bucket {e.index}: the relayed body ended after "
-                                       f"{a + got} of {nbytes} bytes")
-                got += n
+            try:
+                read_exact(read_into, body[a:b])
+            except PayloadError as cut:
+                raise PayloadError(f"bucket {e.index}, piece {k}: the relayed {cut}") from None
             if piece_digest(base + a, b - a) != e.pieces[k]:
                 raise Tampered(
                     f"bucket {e.index}, piece {k}: the bytes from the relay do not match the "

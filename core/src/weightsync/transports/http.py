@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-import time
 from typing import Any, Literal, Mapping, Sequence
 
 import requests
@@ -169,7 +168,8 @@ class HttpTransport(Transport):
                     raise
 
     def _left(self) -> float:
-        return self.options.timeout if self.deadline is None else self.deadline - time.monotonic()
+        """What a relayed bucket may still take: the per-request timeout, cut to the deadline."""
+        return self.bounded(self.options.timeout)
 
     def _relay_post(self, adapter: Adapter, kwargs: dict[str, Any], timeout: float) -> Any:
         """The root's POST (no API key: its relay token), answered with a status either way."""

@@ -85,7 +85,7 @@ class Relays:
                 "ack_key": self._secret(self.keys, n), "stall": self.stall, "left": left(),
                 "children": [{"name": c, "url": targets[c].url, "headers": targets[c].headers,
                               "token": self._secret(self.tokens, c), "subtree": subtree(kids, c),
-                              "verify": getattr(by[c].engine, "verify", True)}
+                              "verify": by[c].engine.verify}
                              for c in kids[n]]})
         futures = {n: self.pool.submit(one, n) for n in names}
         fails: dict[str, BaseException] = {}
