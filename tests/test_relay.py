@@ -111,9 +111,37 @@ def test_a_relay_that_tampers_is_refused_by_its_child_and_blamed(
         assert e.health()["version"] == 1 and holds(e, new), e.name
 
 
+@pytest.mark.parametrize("fleet", [(4, [sys.executable, str(HERE / "stalling_relay.py")])],
+                         indirect=True)
+def test_a_relay_that_stalls_costs_its_subtree_nothing(
+        fleet: list[EngineProcess], model: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """e0 (the chain's root) stops feeding e1 mid-bucket but stays up: e1, e2 and e3 give up on
+    the relay after `stall` seconds and say so to the trainer, which feeds them itself; every
+    member commits the version bit for bit, and the stall is reported by relay and member."""
+    new = perturb(model[1], 1)
+    cfg = config(fleet, "chain")
+    cfg["transport"]["options"]["stall"] = 2.0
+    with WeightSync.from_config(cfg) as sync:
+        report = sync.push(new, version=1)
+        events = sync.transport.relay_events
+        assert report.ok and report.verified, report.summary()
+        assert any("relay e0 stalled feeding e1" in x for x in events), events
+        for n in ("e1", "e2", "e3"):
+            assert any(f"{n} fed directly by the trainer (stalled: relay" in x for x in events), events
+        for e in fleet:
+            assert e.health()["version"] == 1 and holds(e, new), e.name
+        newer = perturb(new, 2)                     # e0 stalls once: the next push is all relay
+        report = sync.push(newer, version=2)
+        assert report.ok and report.verified, report.summary()
+        assert sync.transport.relay_events == [], sync.transport.relay_events
+        for e in fleet:
+            assert e.health()["version"] == 2 and holds(e, newer), e.name
+
+
+@pytest.mark.parametrize("fleet", [(6, None)], indirect=True)
 def test_a_relay_killed_at_random_moments_costs_no_survivor_a_mixed_version(
         fleet: list[EngineProcess], model: tuple[Path, dict[str, torch.Tensor]]) -> None:
-    """Ten pushes through a tree of five; in each, a relay is killed while the exporter is at a
+    """Ten pushes through a tree of six; in each, a relay is killed while the exporter is at a
     random tensor. Every survivor ends at the new version bit for bit, or at its old one with a
     reason in the report, never a mix; the dead relay is reported by name and stage."""
     rng = random.Random(7)
@@ -124,7 +152,7 @@ def test_a_relay_killed_at_random_moments_costs_no_survivor_a_mixed_version(
     fed = 0                                             # trials where the trainer stepped in
     with WeightSync.from_config(config(fleet, "tree", 2, failure_policy="continue")) as sync:
         for trial in range(10):
-            victim = fleet[rng.choice([0, 1])]          # the inner members of the tree
+            victim = fleet[rng.choice([0, 1, 2])]       # the inner members of the tree
             at = rng.randrange(len(names))
             version += 1
             new = perturb(old, version)

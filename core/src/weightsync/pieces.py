@@ -2,7 +2,8 @@
 `http` transport): the xxh3 digest of every `piece_bytes` slice of a payload body, which the
 trainer announces to each member over that member's own authenticated channel before the bytes
 arrive through a relay, and the acknowledgement a member signs with a key only it and the
-trainer hold, so a relay can drop a descendant's answer but never forge one."""
+trainer hold (the trainer asks each member over its own channel; the signature is a second
+line of defence)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def ack(key: str, index: int, status: str, detail: str = "") -> str:
 
 
 def entry(key: str, index: int, status: str, detail: str = "", error: str = "") -> dict[str, Any]:
-    """One member's answer as it travels up the tree."""
+    """One member's signed answer for the trainer."""
     out: dict[str, Any] = {"status": status, "detail": detail,
                            "mac": ack(key, index, status, detail)}
     if error:
@@ -49,7 +50,7 @@ def entry(key: str, index: int, status: str, detail: str = "", error: str = "") 
 
 def checked(key: str, index: int, got: Any) -> tuple[str, str] | None:
     """(status, detail) of an answer that carries a valid signature, else None (lost, forged,
-    or an error a relay wrote for its subtree: the trainer then feeds that member itself)."""
+    or an unsigned error: the trainer then feeds that member itself)."""
     if not isinstance(got, Mapping):
         return None
     status, detail, mac = got.get("status"), got.get("detail", ""), got.get("mac")

@@ -122,6 +122,10 @@ class ReferenceAdapter(Adapter):
     def expect(self, body: Mapping[str, Any]) -> None:
         self._post("/weightsync/expect", dict(body))
 
+    def relay_answer(self, index: int, wait: float) -> Mapping[str, Any]:
+        got = self._post("/weightsync/relayed", {"index": index, "wait": wait}, timeout=wait + 10)
+        return got if isinstance(got, Mapping) else {}
+
     def announce(self, header: Mapping[str, Any]) -> None:
         self._post("/weightsync/announce", dict(header), timeout=self.options.payload_timeout)
 

@@ -122,6 +122,12 @@ class Adapter(Bounded, Component):
         """Relay shapes: tell the engine what a bucket that comes through a relay must be."""
         raise NotImplementedError(f"adapter {self.name!r} cannot take relayed payloads")
 
+    def relay_answer(self, index: int, wait: float) -> Mapping[str, Any]:
+        """Relay shapes: the engine's own outcome for relayed bucket `index` (signed with the
+        key the trainer gave it), waiting up to `wait` seconds for it; asked over the engine's
+        own channel, so no relay can hide or forge it."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot take relayed payloads")
+
     def announce(self, header: Mapping[str, Any]) -> None:
         raise NotImplementedError(f"adapter {self.name!r} cannot announce out-of-band payloads")
 

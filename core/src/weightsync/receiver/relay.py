@@ -1,24 +1,28 @@
 """A member that passes payloads on (the `http` transport's chain and tree shapes), engine side.
 
 The trainer first tells each member, over the member's own authenticated channel, what bucket
-`index` will be: its header, the digest of every piece, who this member feeds (each child's
-relay URL, round id and relay token) and a key for signing its answer (`Desk.expect`). The
-bytes then arrive from the parent (`relay`): every piece is checked against the announced
+`index` will be: its header, the digest of every piece, its parent, who this member feeds (each
+child's relay URL, round id and relay token) and a key for signing its answer (`Desk.expect`).
+The bytes then arrive from the parent (`relay`): every piece is checked against the announced
 digest before it is forwarded to the children or kept; a piece that does not match stops the
 bucket here (nothing of it is staged or forwarded further) and the answer, signed, says the
 parent tampered. Each child is fed on its own thread while later pieces still arrive, so the
 bucket moves down the tree a piece behind each hop, not a bucket. Once the body is whole it is
-staged like any payload (`ReceiveSession.apply`: signature, decode, digest), and the answer
-lists every member of this subtree with its signed outcome.
+staged like any payload (`ReceiveSession.apply`: signature, decode, digest).
+
+The trainer asks every member for its answer over that member's own channel (`Desk.answer`, a
+long poll), never through the tree: a relay that dies, stalls or lies cannot hide or forge a
+descendant's outcome. A member whose parent sends nothing for `stall` seconds (no piece, or no
+request at all) gives up on the relay and answers so at once, and the trainer feeds it directly.
 
 What a relay learns: the payload (which it receives anyway), and per child a URL, a round id and
 a relay token that lets it post payload bytes to that child in this round only. It never sees a
-child's API key or answer key, so it can drop a descendant's answer (the trainer then feeds that
-member itself) but cannot forge one, and bytes it changes are refused by the next hop."""
+child's API key or answer key, and bytes it changes are refused by the next hop."""
 
 from __future__ import annotations
 
 import hmac
+import logging
 import queue
 import threading
 import time
@@ -33,18 +37,15 @@ from .staging import read_exact
 
 RELAY_HEADER = "X-Weightsync-Relay"
 _END = object()
+log = logging.getLogger("weightsync.relay")
 
 
 class Tampered(PayloadError):
-    """A piece that does not match the digest the trainer announced; `members`: the answer."""
-
-    def __init__(self, message: str, members: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.members = members
+    """A piece that does not match the digest the trainer announced."""
 
 
 class Expectation:
-    """What the trainer announced for one bucket (checked on arrival)."""
+    """What the trainer announced for one bucket (checked on arrival), and how its relay went."""
 
     def __init__(self, body: Mapping[str, Any]) -> None:
         try:
@@ -54,13 +55,13 @@ class Expectation:
             self.pieces = [str(p) for p in body["pieces"]]
             self.piece_bytes = int(body["piece_bytes"])
             self.name = str(body["name"])
+            self.parent = str(body.get("parent") or "its parent")
             self.ack_key = str(body["ack_key"])
             self.stall = float(body.get("stall", 30.0))
             self.left = float(body.get("left", 300.0))
             self.children = [dict(c) for c in body.get("children") or []]
             for c in self.children:
                 c["url"], c["name"], c["token"] = str(c["url"]), str(c["name"]), str(c["token"])
-                c["subtree"] = [str(n) for n in c.get("subtree") or [c["name"]]]
         except (KeyError, TypeError, ValueError) as e:
             raise PayloadError(f"relay expectation is malformed ({type(e).__name__}: {e}); the "
                                f"trainer sends index, header, pieces, piece_bytes, name, ack_key")
@@ -68,23 +69,33 @@ class Expectation:
             raise PayloadError(f"bucket {self.index}: {len(self.pieces)} piece digests do not "
                                f"cover {self.nbytes} bytes in pieces of {self.piece_bytes}")
         self.deadline = time.monotonic() + self.left
+        self.moved = time.monotonic()       # the last sign of life from the parent
+        self.pieces_in = 0
+        self.claimed = False                # staging began: the outcome is the relay's own
+        self.outcome: dict[str, Any] | None = None
+
+    def stalled(self) -> str:
+        what = (f"after piece {self.pieces_in - 1} of {len(self.pieces)}" if self.pieces_in
+                else "before its first byte")
+        return (f"stalled: relay {self.parent} sent nothing of bucket {self.index} for "
+                f"{self.stall:g}s ({what}); this member gave up on the relay")
 
 
 class Desk:
-    """A round's relay state: the relay token the trainer gave this member and the expected
-    buckets."""
+    """A round's relay state: the relay token the trainer gave this member, the expected
+    buckets, and each one's outcome for the trainer's long poll."""
 
     def __init__(self) -> None:
         self.token: str | None = None
         self.expected: dict[int, Expectation] = {}
-        self.lock = threading.Lock()
+        self.cond = threading.Condition()
 
     def expect(self, body: Mapping[str, Any]) -> None:
         e = Expectation(body)
         token = body.get("token")
         if not isinstance(token, str) or len(token) < 16:
             raise PayloadError("relay expectation lacks a relay token of at least 16 characters")
-        with self.lock:
+        with self.cond:
             self.token = token
             self.expected[e.index] = e
 
@@ -96,12 +107,56 @@ class Desk:
                                "this member for this round")
 
     def get(self, index: Any) -> Expectation:
-        with self.lock:
+        with self.cond:
             e = self.expected.get(int(index)) if isinstance(index, int) else None
         if e is None:
             raise PayloadError(f"relay refused: the trainer announced no bucket {index!r} to this "
                                f"member in this round")
         return e
+
+    def moved(self, e: Expectation, pieces_in: int) -> None:
+        """The parent delivered a piece (or began its request); raises once the trainer was
+        told this member gave up on the relay (it feeds the member itself)."""
+        with self.cond:
+            if e.outcome is not None:
+                raise PayloadError(f"bucket {e.index}: this member already answered "
+                                   f"({e.outcome.get('error') or e.outcome.get('status')}); "
+                                   f"the relayed bytes are dropped")
+            e.moved, e.pieces_in = time.monotonic(), pieces_in
+
+    def claim(self, e: Expectation) -> None:
+        """Every piece is in: staging is the relay's; a stall can no longer be declared."""
+        with self.cond:
+            if e.outcome is not None:
+                raise PayloadError(f"bucket {e.index}: this member gave up on the relay before "
+                                   f"its last piece arrived; the trainer feeds it directly")
+            e.claimed = True
+
+    def record(self, e: Expectation, outcome: dict[str, Any]) -> None:
+        with self.cond:
+            if e.outcome is None:
+                e.outcome = outcome
+            self.cond.notify_all()
+
+    def answer(self, index: Any, wait: float) -> dict[str, Any]:
+        """This member's outcome for bucket `index` (signed when it holds the bucket or caught
+        its parent tampering), once there is one, or a stall, or after `wait` seconds."""
+        e = self.get(index)
+        end = time.monotonic() + max(0.0, wait)
+        with self.cond:
+            while e.outcome is None:
+                now = time.monotonic()
+                if e.claimed:                       # staging: its outcome comes next
+                    self.cond.wait(1.0)
+                elif now - e.moved >= e.stall:
+                    e.outcome = {"status": "error", "error": e.stalled()}
+                elif now >= end:                    # the trainer feeds it now; the relay stops
+                    e.outcome = {"status": "error", "error": f"bucket {e.index} did not come "
+                                                             f"through relay {e.parent} within "
+                                                             f"{wait:g}s"}
+                else:
+                    self.cond.wait(max(0.01, min(end - now, e.moved + e.stall - now)))
+            return dict(e.outcome)
 
 
 class Feed:
@@ -112,13 +167,12 @@ class Feed:
                  deadline: float) -> None:
         self.child, self.prefix, self.body, self.deadline = child, prefix, body, deadline
         self.q: queue.Queue = queue.Queue()
-        self.result: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return sum(len(p) for p in self.prefix) + len(self.body)
 
     def piece(self, a: int, b: int) -> Any:
-        """The bytes sent for piece [a, b) (a test engine overrides this to tamper)."""
+        """The bytes sent for piece [a, b) (a test engine overrides this to tamper or stall)."""
         return self.body[a:b]
 
     def __iter__(self):  # noqa: ANN204
@@ -132,6 +186,7 @@ class Feed:
             yield self.piece(*item)
 
     def post(self, me: str, index: int, stall: float) -> None:
+        """The child answers the trainer itself; a failure here is only logged."""
         c = self.child
         headers = {**{str(k): str(v) for k, v in (c.get("headers") or {}).items()},
                    RELAY_HEADER: c["token"], "Content-Type": "application/octet-stream"}
@@ -139,40 +194,47 @@ class Feed:
             resp = requests.post(c["url"], data=self, headers=headers,
                                  timeout=(min(stall, 10.0), max(stall, 1.0)),
                                  verify=c.get("verify", True))
-            got = resp.json() if resp.content else {}
-            members = got.get("members") if isinstance(got, dict) else None
-            if isinstance(members, dict):
-                self.result = members
-            why = got.get("error") if isinstance(got, dict) else None
-            if resp.status_code != 200 or not members:
-                why = why or f"HTTP {resp.status_code}"
-            else:
-                why = None
-        except Exception as e:  # noqa: BLE001 - the child's subtree is reported, not raised
-            why = f"{type(e).__name__}: {e}"
-        for n in c["subtree"]:
-            if n not in self.result:
-                self.result[n] = {"status": "error",
-                                  "error": f"bucket {index} through relay {me} to {c['name']} "
-                                           f"failed: {why or 'no answer for this member'}"}
+            if resp.status_code != 200:
+                log.info("relay %s -> %s, bucket %d: HTTP %d %s", me, c["name"], index,
+                         resp.status_code, resp.text[:200])
+        except Exception as e:  # noqa: BLE001 - the child tells the trainer, which feeds it
+            log.info("relay %s -> %s, bucket %d failed: %s: %s", me, c["name"], index,
+                     type(e).__name__, e)
 
 
 def relay(session: Any, desk: Desk, header: Mapping[str, Any],
           read_into: Callable[[memoryview], int], nbytes: int) -> dict[str, Any]:
-    """Receive one forwarded payload (see the module docstring): check, forward, stage.
-    Returns {"members": {name: signed outcome}} for this member's subtree."""
+    """Receive one forwarded payload (see the module docstring): check, forward, stage; the
+    outcome goes to `desk` for the trainer's long poll."""
     e = desk.get(header.get("index"))
     if dict(header) != e.header or nbytes != e.nbytes:
         raise PayloadError(f"relay refused: bucket {e.index}'s header is not the one the trainer "
                            f"announced to this member")
+    desk.moved(e, 0)
+    try:
+        body = _receive(desk, e, read_into, nbytes)
+        desk.claim(e)
+        digest = session.apply(e.header, body)
+    except Tampered as err:
+        desk.record(e, entry(e.ack_key, e.index, "tampered", e.parent, error=str(err)))
+        raise
+    except Exception as err:
+        desk.record(e, {"status": "error", "error": f"{type(err).__name__}: {err}"})
+        raise
+    desk.record(e, entry(e.ack_key, e.index, "ok", digest))
+    return {"status": "staged", "digest": digest}
+
+
+def _receive(desk: Desk, e: Expectation, read_into: Callable[[memoryview], int],
+             nbytes: int) -> memoryview:
+    """Read, check and pass on every piece; each child is fed on its own thread."""
     buf = bytearray(nbytes)
     body = memoryview(buf)
     feeds = [Feed(c, [bytes(p) for p in frame(e.header, b"")[:2]], body, e.deadline)
              for c in e.children]
-    threads = [threading.Thread(target=f.post, args=(e.name, e.index, e.stall), daemon=True,
-                                name="ws-relay-feed") for f in feeds]
-    for t in threads:
-        t.start()
+    for f in feeds:
+        threading.Thread(target=f.post, args=(e.name, e.index, e.stall), daemon=True,
+                         name="ws-relay-feed").start()
     base = _address(buf)
     ok = False
     try:
@@ -183,37 +245,17 @@ def relay(session: Any, desk: Desk, header: Mapping[str, Any],
             except PayloadError as cut:
                 raise PayloadError(f"bucket {e.index}, piece {k}: the relayed {cut}") from None
             if piece_digest(base + a, b - a) != e.pieces[k]:
-                raise Tampered(
-                    f"bucket {e.index}, piece {k}: the bytes from the relay do not match the "
-                    f"digest the trainer announced; nothing of this bucket was kept or forwarded",
-                    {e.name: entry(e.ack_key, e.index, "tampered", "parent",
-                                   error=f"piece {k} of bucket {e.index} did not match")})
+                raise Tampered(f"bucket {e.index}, piece {k}: the bytes from relay {e.parent} do "
+                               f"not match the digest the trainer announced; nothing of this "
+                               f"bucket was kept or forwarded")
+            desk.moved(e, k + 1)
             for f in feeds:
                 f.q.put((a, b))
         ok = True
-    except Tampered as err:
-        for f in feeds:
-            f.q.put(None)
-        for t, f in zip(threads, feeds):
-            t.join(max(0.0, e.deadline - time.monotonic()))
-            err.members.update(f.result)
-        raise
     finally:
         for f in feeds:
             f.q.put(_END if ok else None)
-    members: dict[str, Any] = {}
-    try:
-        digest = session.apply(e.header, body)
-        members[e.name] = entry(e.ack_key, e.index, "ok", digest)
-    except Exception as err:  # noqa: BLE001 - this member's outcome, reported with the others
-        members[e.name] = {"status": "error", "error": f"{type(err).__name__}: {err}"}
-    for t, f in zip(threads, feeds):
-        t.join(max(0.0, e.deadline - time.monotonic()))
-        members.update(f.result if not t.is_alive() else
-                       {n: {"status": "error", "error": f"relay {e.name}: no answer from "
-                                                        f"{f.child['name']} before the deadline"}
-                        for n in f.child["subtree"]})
-    return {"members": members}
+    return body
 
 
 def _address(buf: bytearray) -> int:

@@ -27,6 +27,8 @@ checked before bodies, bodies capped per route, connections capped and timed out
   POST /weightsync/expect            relay shapes: a bucket's header, piece digests, children
   POST /weightsync/relay            (X-Weightsync-Relay: token, no API key) a frame forwarded
                                     by a parent member (weightsync.receiver.relay)
+  POST /weightsync/relayed          {index, wait}: this member's signed outcome for a relayed
+                                    bucket, once it has one (a long poll; a stall answers too)
   POST /weightsync/announce         JSON header of a body placed out of band (shm, collective)
   POST /weightsync/join             group info (collective); returns once joined
   POST /weightsync/end              -> {"digests": {index: digest}}
@@ -198,7 +200,13 @@ def _relay(h: Any, q: dict) -> Any:
     try:
         return h.engine.relay(_rid(h), h.headers.get(RELAY_HEADER), read_into, read_into.left)
     except Tampered as e:
-        raise HttpError(422, str(e), members=e.members) from None
+        raise HttpError(422, str(e)) from None
+
+
+@routes.add("POST", "/weightsync/relayed", max_body=JSON_CAP)
+def _relayed(h: Any, q: dict) -> Any:
+    body = h.json_body()
+    return h.engine.relay_answer(_rid(h), body.get("index"), float(body.get("wait", 30.0)))
 
 
 @routes.add("POST", "/weightsync/announce", max_body=JSON_CAP)

@@ -174,6 +174,11 @@ class ReferenceEngine(Generation):
         self.relayed["forwarded"] += len(r.desk.get(header.get("index")).children)
         return out
 
+    def relay_answer(self, rid: str | None, index: Any, wait: float) -> dict[str, Any]:
+        """The trainer's long poll for a relayed bucket's outcome (receiver.relay.Desk.answer);
+        the round's lock is not held while it waits."""
+        return self._current(rid).desk.answer(index, min(max(0.0, wait), 600.0))
+
     def end(self, rid: str | None) -> dict[int, str]:
         return self._current(rid).session.end()
 

@@ -1,7 +1,8 @@
 """The trainer's half of the `http` transport's relay shapes (chain, tree): per bucket, plan
 who feeds whom, announce the bucket to every member over its own channel, send the bytes to the
-root only, and feed every member the tree did not reach (or reached with bytes it refused)
-straight from the bucket the trainer still holds. The engine's half is
+root only, ask every member for its own signed outcome (over its own channel, never through the
+tree), and feed every member that lacks the bucket (a dead or stalled relay above it, bytes it
+refused) straight from the bucket the trainer still holds, as soon as it says so. The engine's half is
 `weightsync.receiver.relay`; the agreement between them is `weightsync.pieces`.
 
 One root, not `degree` roots: every copy that leaves the trainer costs its link a model's
@@ -15,8 +16,8 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import TransportError
 from ..httpclient import Parts
@@ -35,15 +36,6 @@ def tree(names: Sequence[str], degree: int) -> dict[str, list[str]]:
             for k, n in enumerate(names)}
 
 
-def subtree(kids: dict[str, list[str]], name: str) -> list[str]:
-    out, todo = [], [name]
-    while todo:
-        n = todo.pop(0)
-        out.append(n)
-        todo += kids.get(n, [])
-    return out
-
-
 class Relays:
     """Per round: each member's relay token (lets its parent post to it, this round only) and
     answer key (signs its outcome; no relay ever sees it)."""
@@ -52,7 +44,7 @@ class Relays:
         self.degree, self.piece_bytes, self.stall = degree, piece_bytes, stall
         self.tokens: dict[str, str] = {}
         self.keys: dict[str, str] = {}
-        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="ws-relay")
+        self.pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="ws-relay")
         self.lock = threading.Lock()
         self.events: list[str] = []          # what went around the tree (fallbacks, blame)
 
@@ -75,6 +67,7 @@ class Relays:
                   by: dict[str, Adapter], left: Callable[[], float]) -> dict[str, BaseException]:
         """Tell every member of the tree over `names` what bucket `payload.index` is."""
         kids = tree(names, self.degree)
+        parent = {c: p for p, cs in kids.items() for c in cs}
         header = payload.header()
         targets = {n: by[n].relay_target() for n in names}
 
@@ -82,10 +75,10 @@ class Relays:
             by[n].expect({
                 "index": payload.index, "header": header, "pieces": pieces,
                 "piece_bytes": self.piece_bytes, "name": n, "token": self._secret(self.tokens, n),
+                "parent": parent.get(n, "the trainer"),
                 "ack_key": self._secret(self.keys, n), "stall": self.stall, "left": left(),
                 "children": [{"name": c, "url": targets[c].url, "headers": targets[c].headers,
-                              "token": self._secret(self.tokens, c), "subtree": subtree(kids, c),
-                              "verify": by[c].engine.verify}
+                              "token": self._secret(self.tokens, c), "verify": by[c].engine.verify}
                              for c in kids[n]]})
         futures = {n: self.pool.submit(one, n) for n in names}
         fails: dict[str, BaseException] = {}
@@ -99,8 +92,10 @@ class Relays:
     def push(self, payload: Payload, body: Any, members: list[Adapter],
              post: Callable[[Adapter, Any, float], Any], direct: Callable[[Adapter], None],
              left: Callable[[], float]) -> dict[str, BaseException]:
-        """One bucket through the tree over `members` (see the module docstring); returns the
-        members that could not be fed at all, and relays that forwarded tampered bytes."""
+        """One bucket through the tree over `members` (see the module docstring): every member
+        is asked for its own outcome, and one that lacks the bucket is fed directly as soon as
+        it says so. Returns the members that could not be fed at all, and relays that
+        forwarded tampered bytes."""
         by = {a.engine_name: a for a in members}
         pieces = piece_digests(body, self.piece_bytes)
         names = list(by)
@@ -111,54 +106,75 @@ class Relays:
                 refused.update(self._announce(payload, pieces, names, by, left))
                 names = [n for n in names if n not in refused]
         kids = tree(names, self.degree)
-        answers: dict[str, Any] = {}
-        why = "no member took the bucket's announcement"
-        if names:
-            root = names[0]
-            t = by[root].relay_target()
-            try:
-                headers = {**t.headers, RELAY_HEADER: self._secret(self.tokens, root),
-                           "Content-Type": "application/octet-stream"}
-                resp = post(by[root], dict(url=t.url, data=Parts(frame(payload.header(), body)),
-                                           headers=headers), max(0.05, left()))
-                got = resp.json() if resp.content else {}
-                answers = dict(got.get("members") or {}) if isinstance(got, dict) else {}
-                why = str(got.get("error", f"HTTP {resp.status_code}")) if isinstance(got, dict) \
-                    else f"HTTP {resp.status_code}"
-            except Exception as e:  # noqa: BLE001 - every member is then fed directly
-                why = f"{type(e).__name__}: {e}"
         parent = {c: p for p, cs in kids.items() for c in cs}
-        todo: list[str] = []
-        blamed: dict[str, str] = {}
-        for n in by:
-            got = checked(self.keys.get(n, ""), payload.index, answers.get(n)) if n in names else None
-            if got == ("ok", payload.digest):
-                continue
-            todo.append(n)
-            if got is not None and got[0] == "tampered":
-                p = parent.get(n)
-                if p is not None:
-                    blamed[p] = n
         fails: dict[str, BaseException] = {}
-        for p, child in blamed.items():
-            self._note(f"bucket {payload.index}: {child} refused bytes relayed by {p}")
-            fails[p] = TransportError(
-                f"as a relay it forwarded bytes of bucket {payload.index} to {child} that do not "
-                f"match the digests the trainer announced; it is not trusted with this version")
-        if not todo:
-            return fails
-        self._note(f"bucket {payload.index}: fed directly by the trainer: {todo}")
-        jobs = {n: self.pool.submit(direct, by[n]) for n in todo if n not in fails}
+        if names:
+            self.pool.submit(self._feed_root, payload, body, by[names[0]], post, left)
+        waits = {self.pool.submit(self._answer, by[n], payload.index, left): n for n in names}
+        jobs: dict[str, Future] = {}
+
+        def feed(n: str, reason: str) -> None:
+            self._note(f"bucket {payload.index}: {n} fed directly by the trainer ({reason})")
+            jobs[n] = self.pool.submit(direct, by[n])
+            jobs[n].reason = reason  # type: ignore[attr-defined]
+        for n in by:
+            if n in refused:
+                feed(n, f"its announcement failed: {type(refused[n]).__name__}: {refused[n]}")
+        for w in as_completed(waits, timeout=None):
+            n = waits[w]
+            try:
+                got = w.result()
+            except BaseException as e:  # noqa: BLE001 - asked again by the direct send
+                feed(n, f"no answer: {type(e).__name__}: {e}")
+                continue
+            status = checked(self.keys.get(n, ""), payload.index, got)
+            if status == ("ok", payload.digest):
+                continue
+            if status is not None and status[0] == "tampered" and n in parent:
+                p = parent[n]
+                self._note(f"bucket {payload.index}: {n} refused bytes relayed by {p}")
+                fails[p] = TransportError(
+                    f"as a relay it forwarded bytes of bucket {payload.index} to {n} that do not "
+                    f"match the digests the trainer announced; it is not trusted with this "
+                    f"version")
+                jobs.pop(p, None)
+            why = got.get("error") if isinstance(got, Mapping) else None
+            if status is None and isinstance(why, str) and why.startswith("stalled:") and n in parent:
+                self._note(f"bucket {payload.index}: relay {parent[n]} stalled feeding {n}")
+            feed(n, str(why or status or "its answer was not signed by it"))
         for n, f in jobs.items():
-            reason = answers.get(n, {}).get("error") if isinstance(answers.get(n), dict) else None
-            reason = reason or (f"its announcement failed: {refused[n]}" if n in refused else why)
+            if n in fails:
+                continue
             try:
                 f.result(timeout=max(0.05, left()))
             except BaseException as e:  # noqa: BLE001 - reported per member
                 fails[n] = TransportError(f"bucket {payload.index} did not come through the "
-                                          f"relay tree ({reason}), and the trainer's own send "
+                                          f"relay tree ({f.reason}), and the trainer's own send "  # type: ignore[attr-defined]
                                           f"failed too: {type(e).__name__}: {e}")
         return fails
+
+    def _feed_root(self, payload: Payload, body: Any, root: Adapter,
+                   post: Callable[[Adapter, Any, float], Any], left: Callable[[], float]) -> None:
+        """The one copy that leaves the trainer; how it went, the root answers itself."""
+        t = root.relay_target()
+        try:
+            headers = {**t.headers, RELAY_HEADER: self._secret(self.tokens, root.engine_name),
+                       "Content-Type": "application/octet-stream"}
+            post(root, dict(url=t.url, data=Parts(frame(payload.header(), body)),
+                            headers=headers), max(0.05, left()))
+        except Exception as e:  # noqa: BLE001 - the root's answer says what it lacks
+            log.info("bucket %d to relay root %s: %s: %s", payload.index, root.engine_name,
+                     type(e).__name__, e)
+
+    def _answer(self, member: Adapter, index: int, left: Callable[[], float]) -> Mapping[str, Any]:
+        """The member's own outcome, asked over its own channel (a relay cannot hide it); the
+        wait leaves time for a direct send."""
+        return member.relay_answer(index, max(0.05, left() - self.reserve(left())))
+
+    @staticmethod
+    def reserve(left: float) -> float:
+        """Seconds of the push's time kept for feeding members directly after the tree."""
+        return min(left / 3, 60.0)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
