@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", default="400mbit", help="every link's rate, both directions (tc)")
     p.add_argument("--latency", default="20ms", help="tbf's queue bound on every link end")
     p.add_argument("--repeat", type=int, default=3, help="timed pushes per row, after one warm-up")
+    p.add_argument("--piece", default="256KiB", help="chain/tree: bytes per forwarded piece "
+                                                   "(and the relay floor's reads)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write the chart here (default: next to --json)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.members = sorted({int(x) for x in args.members.split(",") if x.strip()})
     args.shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
     args.encodings = [e.strip() for e in args.encodings.split(",") if e.strip()]
+    from weightsync.config import parse_bytes
+    args.piece_bytes = parse_bytes(args.piece)
     if not args.members or min(args.members) < 1:
         p.error(f"--members needs sizes of at least 1, got {args.members}")
     for what, got, known in (("shape", args.shapes, SHAPES), ("encoding", args.encodings, ENCODINGS)):
@@ -79,6 +83,8 @@ def with_ratios(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         r["x_one_copy"] = round(r["seconds"] / one, 3)
         r["egress_x_model"] = round(r["egress_bytes"] / model, 3)
+    for r in result.get("relay_floor", []):
+        r["x_one_copy"] = round(r["seconds"] / one, 3)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -91,7 +97,27 @@ def table(result: dict[str, Any]) -> str:
              "|---:|---|---|---:|---:|---:|"]
     lines += [f"| {r['members']} | {r['shape']} | {r['encoding']} | {r['seconds']:.3f} | "
               f"{r['x_one_copy']:.2f} | {r['egress_x_model']:.3f} |" for r in result["rows"]]
+    if result.get("relay_floor"):
+        floor = {r["members"]: r for r in result["relay_floor"]}
+        lines += ["", "relay floor (plain TCP forwarders down a chain of N member hosts, "
+                      f"{result['relay_floor'][0]['piece_bytes'] >> 10} KiB reads), and each "
+                      "relay row against it:", "",
+                  "| N | floor s | floor / one copy | " + " | ".join(
+                      f"{s} {e} / floor" for s, e in _relayed(result)) + " |",
+                  "|---:|---:|---:|" + "---:|" * len(_relayed(result))]
+        for n, f in sorted(floor.items()):
+            cells = []
+            for s, e in _relayed(result):
+                r = next((r for r in result["rows"] if (r["members"], r["shape"], r["encoding"])
+                          == (n, s, e)), None)
+                cells.append(f"{r['seconds'] / f['seconds']:.2f}" if r else "")
+            lines.append(f"| {n} | {f['seconds']:.3f} | {f['x_one_copy']:.2f} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _relayed(result: dict[str, Any]) -> list[tuple[str, str]]:
+    return sorted({(r["shape"], r["encoding"]) for r in result["rows"] if r["shape"] != "star"})
 
 
 def chart(result: dict[str, Any], path: Path) -> None:
@@ -109,6 +135,10 @@ def chart(result: dict[str, Any], path: Path) -> None:
         x = [r["members"] for r in rows]
         ax_s.plot(x, [r["seconds"] for r in rows], marker="o", label=label)
         ax_e.plot(x, [r["egress_x_model"] for r in rows], marker="o", label=label)
+    floor = sorted(result.get("relay_floor", []), key=lambda r: r["members"])
+    if floor:
+        ax_s.plot([r["members"] for r in floor], [r["seconds"] for r in floor], color="black",
+                  ls="-.", marker="x", label="relay floor (plain TCP chain)")
     ax_s.axhline(one, color="gray", ls="--", label="one copy over one link")
     ax_s.plot(ns, [n * one for n in ns], color="gray", ls=":", label="N x one copy")
     ax_e.axhline(1.0, color="gray", ls="--", label="one model")
@@ -147,7 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with Cluster(hosts, rate=args.rate, latency=args.latency) as c:
             spec = {"cluster": c.spec(), "workdir": str(work), "members": args.members,
                     "shapes": args.shapes, "encodings": args.encodings, "repeat": args.repeat,
-                    "bucket": args.bucket, "out": str(work / "worker.json")}
+                    "bucket": args.bucket, "piece_bytes": args.piece_bytes,
+                    "out": str(work / "worker.json")}
             (work / "spec.json").write_text(json.dumps(spec))
             r = c.run("trainer", [sys.executable, str(HERE / "worker.py"), str(work / "spec.json")])
             if r.returncode != 0:
@@ -165,8 +196,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "loadavg_at_end": round(os.getloadavg()[0], 2),
                    "wall_s": round(time.perf_counter() - t0, 1),
                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    result["piece_bytes"] = args.piece_bytes
     result["model"] = {e: predict(result, e) for e in args.encodings
-                       if any(r["shape"] == "star" and r["encoding"] == e for r in result["rows"])}
+                       if any(r["members"] == 1 and r["encoding"] == e for r in result["rows"])}
     return result
 
 

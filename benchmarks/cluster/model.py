@@ -22,7 +22,7 @@ which on shared cores is all members' tails over the cores). Then `fixed_s`: wha
 beyond all that (health, begin, end, digest checks, commit), calibrated as the measured N = 1
 push minus the modelled N = 1 push. The trainer's egress is its children times the payload times
 `egress_overhead` (tx bytes per payload byte at N = 1: headers, control calls). Ignored: a
-member's forwarding CPU, per-piece framing.
+per-piece framing.
 
     python model.py results.json          # the star check and the N = 64, 256 predictions
 """
@@ -76,6 +76,7 @@ class Costs:
 SHAPES = {                                   # name -> (members) -> (root, degree)
     "star": lambda n: (n, 0),
     "chain": lambda n: (1, 1),
+    "tree": lambda n: (1, 2),
 }
 
 
@@ -125,14 +126,42 @@ def simulate(c: Costs, n: int, root: int, degree: int, piece: int = 2**20) -> tu
     if not c.overlapped:          # every member's tail after its last piece, on shared cores
         tail = max(c.member_cpu_s, n * c.member_cpu_s / c.shared_cores if c.shared_cores else 0.0)
         return carry + tail + c.fixed_s, egress
-    cpu = ((c.trainer_cpu_s + n * c.member_cpu_s) / c.shared_cores if c.shared_cores
-           else max(c.trainer_cpu_s, c.member_cpu_s))
+    # a copy a member forwards costs it about what the copy it receives does (one more pass
+    # through the kernel's sockets); on shared cores that adds up over the whole tree
+    forwarded = sum(len(children[v]) for v in range(1, n + 1))
+    cpu = ((c.trainer_cpu_s + (n + forwarded) * c.member_cpu_s) / c.shared_cores
+           if c.shared_cores else max(c.trainer_cpu_s, c.member_cpu_s * (1 + degree)))
     return max(carry, cpu) + c.fixed_s, egress
 
 
+def calibration(result: dict[str, Any], encoding: str) -> str | None:
+    """The shape whose N = 1 row calibrates the model (the star's, else any: at N = 1 every
+    shape is one copy to one member)."""
+    ones = {r["shape"] for r in result["rows"] if r["encoding"] == encoding and r["members"] == 1}
+    return "star" if "star" in ones else (sorted(ones)[0] if ones else None)
+
+
+def relay_check(result: dict[str, Any], emulated: Costs, encoding: str) -> list[dict[str, Any]]:
+    """The model against the measured chain and tree rows (same costs, pieces and degree)."""
+    out = []
+    model = result["model_bytes"]
+    piece = result.get("piece_bytes") or 256 * 2**10
+    for r in sorted((r for r in result["rows"] if r["encoding"] == encoding
+                     and r["shape"] in ("chain", "tree")),
+                    key=lambda r: (r["shape"], r["members"])):
+        degree = 1 if r["shape"] == "chain" else int(r.get("degree", 2))
+        s, e = simulate(emulated, r["members"], 1, degree, piece)
+        out.append({"members": r["members"], "shape": r["shape"],
+                    "measured_s": round(r["seconds"], 3), "predicted_s": round(s, 3),
+                    "error": round(s / r["seconds"] - 1, 3),
+                    "measured_egress_x": round(r["egress_bytes"] / model, 3),
+                    "predicted_egress_x": round(e / model, 3)})
+    return out
+
+
 def predict(result: dict[str, Any], encoding: str = "raw") -> dict[str, Any]:
-    """The star check against the measured star rows, and predictions at PREDICT_N."""
-    emulated = Costs.measured(result, encoding)
+    """The model checked against the measured rows, and predictions at PREDICT_N."""
+    emulated = Costs.measured(result, encoding, calibration(result, encoding) or "star")
     c = replace(emulated, shared_cores=None)      # a real cluster: every host its own cores
     one = result["link"]["one_copy_s"]
     model = result["model_bytes"]
@@ -154,7 +183,8 @@ def predict(result: dict[str, Any], encoding: str = "raw") -> dict[str, Any]:
             out.append({"members": n, "shape": name, "piece_bytes": piece if name != "star" else None,
                         "seconds": round(s, 3), "x_one_copy": round(s / one, 3),
                         "egress_x_model": round(e / model, 3)})
-    return {"encoding": encoding, "costs": asdict(emulated), "star_check": check, "predictions": out}
+    return {"encoding": encoding, "costs": asdict(emulated), "star_check": check,
+            "relay_check": relay_check(result, emulated, encoding), "predictions": out}
 
 
 def table(pred: dict[str, Any]) -> str:
@@ -164,6 +194,13 @@ def table(pred: dict[str, Any]) -> str:
     lines += [f"| {r['members']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
               f"{100 * r['error']:+.1f} % | {r['measured_egress_x']:.2f} / {r['predicted_egress_x']:.2f} |"
               for r in pred["star_check"]]
+    if pred.get("relay_check"):
+        lines += ["", f"model ({pred['encoding']}): chain and tree check",
+                  "| N | shape | measured s | predicted s | error | egress x model (measured / predicted) |",
+                  "|---:|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['members']} | {r['shape']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | "
+                  f"{100 * r['error']:+.1f} % | {r['measured_egress_x']:.2f} / "
+                  f"{r['predicted_egress_x']:.2f} |" for r in pred["relay_check"]]
     lines += ["", f"model ({pred['encoding']}): predictions",
               "| N | shape | piece | push s | x one copy | trainer egress x model |",
               "|---:|---|---:|---:|---:|---:|"]

@@ -6,6 +6,8 @@ What it measures, all over the shaped links:
 - one copy over one link: the model's bytes sent once with plain TCP to a sink on e0 (the floor);
 - the link's round trip for one byte, idle and while a bulk copy fills the link (queueing);
 - the stage cost per byte of one member: a one-core copy + xxh3 pass (what every stage does);
+- the relay floor (`floor.py`): one copy passed down a chain of the first N member hosts by plain
+  TCP forwarders, for every N: what the cluster itself costs a relay shape;
 - per members N, shape and encoding: `WeightSync.push` end to end (best of `repeat` after one
   warm-up), the trainer's egress during each push (its link's tx counter delta), and the CPU
   seconds the trainer and the members spent on it (all of them share this machine's cores).
@@ -34,6 +36,8 @@ from weightsync.bench.measure import DELTA_DENSITY, cpu_seconds, perturbed
 from weightsync.bench.model import model_bytes
 from weightsync.testing import EngineProcess, start_all
 from weightsync.testing.netns import link_bytes
+
+from floor import relay_floor
 
 # A shape is the config fragment that makes a push take it: add one here when the transport can
 # (for example a fan-out setting) and `--shape` accepts it. star: the trainer sends every engine
@@ -194,6 +198,8 @@ class Pushes:
         if ENCODINGS[encoding] is not None:
             cfg["encoding"] = ENCODINGS[encoding]
         cfg = merged(cfg, SHAPES[shape])
+        if shape != "star" and self.spec.get("piece_bytes"):
+            cfg = merged(cfg, {"transport": {"options": {"piece_bytes": self.spec["piece_bytes"]}}})
         sync = WeightSync.from_config(cfg)
         model = self.sd
         runs: list[dict[str, Any]] = []
@@ -244,14 +250,18 @@ def main(spec_path: str) -> int:
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in sd.values()])
     log(f"link costs: one copy of {n / 2**20:.0f} MiB to e0 over a {spec['cluster']['rate']} link")
     result: dict[str, Any] = {"link": link_costs(spec, flat, spec["repeat"])}
+    top = max(spec["members"])
+    names = [f"e{i}" for i in range(top)]
+    if any(s != "star" for s in spec["shapes"]):
+        result["relay_floor"] = relay_floor(
+            names, lambda h: addr(spec, h), lambda h: in_ns(spec, h), memoryview(flat.numpy()),
+            spec["members"], spec.get("piece_bytes") or 256 << 10, spec["repeat"], connect)
     del flat
     result["stage_s_per_byte"] = stage_cost(sd)
     log(f"one copy {result['link']['one_copy_s']:.3f} s, rtt idle "
         f"{result['link']['rtt_idle_s'] * 1e3:.2f} ms, loaded "
         f"{(result['link']['rtt_loaded_s'] or 0) * 1e3:.2f} ms, stage "
         f"{result['stage_s_per_byte'] * 2**30:.3f} s/GiB")
-    top = max(spec["members"])
-    names = [f"e{i}" for i in range(top)]
     engines = [EngineProcess(work / "model", host=addr(spec, h), port=PORT, name=h,
                              log=work / f"engine-{h}.log",
                              program=in_ns(spec, h) + [sys.executable, "-m", "weightsync"])

@@ -41,8 +41,9 @@ class HttpOptions(BaseModel):
     degree: int = Field(2, ge=1, le=64, description="tree: engines each engine feeds (chain: 1)")
     piece_bytes: int = Field(256 << 10, ge=4096, le=64 << 20,
                              description="chain/tree: bytes per forwarded and checked piece")
-    stall: float = Field(30.0, gt=0, description="chain/tree: seconds a relay waits for its "
-                                                 "child's next read before giving up on it")
+    stall: float = Field(30.0, gt=0, description="chain/tree: seconds a member waits for its "
+                                                 "relay's next piece before it gives up on it "
+                                                 "(the trainer then feeds it)")
 
 
 class HttpReceiver(TransportReceiver):
