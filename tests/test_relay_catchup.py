@@ -29,9 +29,9 @@ if "delta" not in load_components().encodings:
                 allow_module_level=True)
 
 
-def config(engines: list[EngineProcess]) -> dict[str, Any]:
+def config(engines: list[EngineProcess], shape: str = "chain") -> dict[str, Any]:
     return {"adapter": "reference", "engines": [e.spec() for e in engines],
-            "transport": {"kind": "http", "options": {"shape": "chain", "piece_bytes": PIECE}},
+            "transport": {"kind": "http", "options": {"shape": shape, "piece_bytes": PIECE}},
             # never a forced full version: every push after the first is a delta on the last
             "encoding": {"kind": "delta", "options": {"full_when_chain_exceeds": 0}},
             "exporter": {"kind": "torch", "options": {"bucket_bytes": BUCKET}},
@@ -161,3 +161,39 @@ def test_a_peer_that_refuses_or_lies_leaves_the_member_to_the_trainer(
         for e in fleet:
             assert e.health()["version"] == 3 and bit_exact(e, sd), e.name
         check_next_push_takes_everyone_in_the_main_round(sync, fleet, sd)
+
+
+def test_star_keeps_the_trainers_whole_tensor_round(
+        fleet: list[EngineProcess], model: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """Star (the default) is what it says: the trainer sends every engine its own copy, so the
+    restarted engine gets whole tensors from the trainer and no member serves a peer join."""
+    with WeightSync.from_config(config(fleet, "star")) as sync:
+        sd = push_two_then_restart(sync, fleet, model[1])
+        sd = step(sd, 3)
+        report = sync.push(sd, version=3)
+        assert report.ok and report.verified, report.summary()
+        joiner = report.engines["e1"]
+        assert joiner.caught_up and joiner.peer is None and joiner.peer_error is None, joiner
+        assert report.wire_bytes > report.logical_bytes, report.summary()  # a whole copy too
+        for e in fleet:
+            h = e.health()
+            assert h["peer"]["served_buckets"] == 0 and h["peer"]["pulled"] == 0, (e.name, h)
+            assert h["version"] == 3 and bit_exact(e, sd), e.name
+
+
+def test_joiners_spread_over_peers_leaves_first() -> None:
+    """Fewest joiners assigned first; among equals a member that feeds no one in the relay plan,
+    then by name."""
+    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync.catchup import pick_peers
+    from weightsync.config import EngineSpec
+
+    def adapter(name: str) -> ReferenceAdapter:
+        return ReferenceAdapter(None, EngineSpec(url="http://127.0.0.1:9", name=name))
+    peers = [adapter(n) for n in ("a", "b", "c")]
+    joiners = [adapter(n) for n in ("x", "y", "z", "w")]
+    chain = {"a": ["b"], "b": ["c"], "c": []}
+    got = {j: p.engine_name for j, p in pick_peers(joiners, peers, chain).items()}
+    assert got == {"x": "c", "y": "a", "z": "b", "w": "c"}, got
+    got = {j: p.engine_name for j, p in pick_peers(joiners[:2], peers, {}).items()}
+    assert got == {"x": "a", "y": "b"}, got
