@@ -74,7 +74,7 @@ class PeerCatchUp:
         ttl = max(1.0, self.clock.left())
         body = {"version": version, "buckets": anchor}
         with self.clock.timed("peer_join"):
-            got, fails = self.calls.each(
+            _, fails = self.calls.each(
                 joiners, lambda a: self._join(a, chosen[a.engine_name], ttl, body))
         for a in joiners:
             o = self.report.engines[a.engine_name]
