@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from .assembly import ResolvedConfig, check_pause_mode, plan_engine, resolve
+from .catchup import PeerCatchUp
 from .config import ComponentRef, SyncConfig
 from .errors import SyncError, WeightSyncError
 from .interfaces import Adapter, Encoding, Member, NameMap
@@ -299,6 +300,9 @@ class WeightSync:
         else:
             self.encoding.rollback()
         try:
+            if behind and done:             # relay shapes: from a peer that holds this version
+                behind = PeerCatchUp(self.transport, calls, clock, report,
+                                     self.settings.verify).run(behind, done, self._anchor)
             if behind:                      # whole tensors for engines that lack the base
                 log.info("catching up %s (at versions %s) with whole tensors",
                          [a.engine_name for a in behind],

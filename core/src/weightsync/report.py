@@ -20,8 +20,11 @@ class EngineOutcome:
     seconds: float = 0.0                # from the start of the push until this engine was done
     status: Status | None = None        # verified | acknowledged | failed (None: not reached)
     caught_up: bool = False             # brought from an older version with whole tensors
+                                        # (or by a peer join: see `peer`)
     probe: dict[str, Any] | None = None # the probe's |Δ logprob| (mean, max) and the version scored
     pause_window: float = 0.0           # seconds this sync kept the engine paused (0: never, or no answer)
+    peer: str | None = None             # caught up by a peer join from this member (None: not)
+    peer_error: str | None = None       # why a peer join did not catch it up (the trainer did)
 
     def fail(self, stage: str, error: str) -> None:
         self.ok, self.stage, self.error, self.status = False, stage, error, "failed"
@@ -81,6 +84,9 @@ class SyncReport:
         for o in self.engines.values():
             if not o.ok:
                 line += f"\n  {o.engine} failed at {o.stage} (holds version {o.version}): {o.error}"
+        for o in self.engines.values():
+            if o.peer_error is not None:
+                line += f"\n  {o.engine}: no peer join ({o.peer_error}); whole tensors from the trainer instead"
         for name, why in self.excluded.items():
             line += f"\n  {name} excluded: {why}"
         return line

@@ -138,6 +138,13 @@ class Transport(Bounded, Component):
         """Wait until every engine holds every payload."""
         return {}
 
+    def relay_plan(self, engines: Sequence["Adapter"]) -> dict[str, list[str]] | None:
+        """Relay shapes: who would feed whom among `engines` (each member's children; {}: no
+        one relays this time). None: the trainer sends every engine its own copy (star), and
+        engines that lack the encoding's base get theirs from the trainer too. A transport that
+        relays returns a plan, and the pipeline then catches such engines up from a peer."""
+        return None
+
     alloc: Alloc | None = None
     """Set by transports that want payloads written into their own buffers (shared memory)."""
     announce_ahead: Callable[[Payload, Sequence["Adapter"]], None] | None = None

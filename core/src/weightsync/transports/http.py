@@ -24,7 +24,7 @@ from ..errors import EngineUnavailable, PayloadError, TransportError
 from ..httpclient import Parts, call, session_for
 from ..interfaces import Adapter, Payload, Transport, TransportReceiver
 from ..wire import frame
-from .relay import Relays
+from .relay import Relays, tree
 
 
 class HttpOptions(BaseModel):
@@ -232,6 +232,13 @@ class HttpTransport(Transport):
 
     def finish(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
         return self._collect(wait=True)
+
+    def relay_plan(self, engines: Sequence[Adapter]) -> dict[str, list[str]] | None:
+        """The tree `send` would build over `engines` (star: None)."""
+        if self._relays is None:
+            return None
+        names = [a.engine_name for a in engines if a.relay_target() is not None]
+        return tree(names, self._relays.degree) if len(names) >= 2 else {}
 
     def close(self) -> None:
         self._collect(wait=True)
