@@ -138,6 +138,19 @@ class Desk:
                 e.outcome = outcome
             self.cond.notify_all()
 
+    def supersede(self, index: Any, wait: float = 60.0) -> None:
+        """The trainer sends bucket `index` itself: a relay of it that has not begun staging
+        is dropped (its long poll answers at once); one that has is waited for, so the two
+        never stage the bucket at the same time (the direct copy then finds it staged)."""
+        with self.cond:
+            e = self.expected.get(index) if isinstance(index, int) else None
+            if e is None:
+                return
+            if e.outcome is None and not e.claimed:
+                e.outcome = {"status": "error", "error": "fed directly by the trainer"}
+                self.cond.notify_all()
+            self.cond.wait_for(lambda: e.outcome is not None, timeout=wait)
+
     def answer(self, index: Any, wait: float) -> dict[str, Any]:
         """This member's outcome for bucket `index` (signed when it holds the bucket or caught
         its parent tampering), once there is one, or a stall, or after `wait` seconds."""

@@ -151,12 +151,17 @@ class ReferenceEngine(Generation):
         self._current(rid).session.join(info)
 
     def apply(self, rid: str | None, header: Mapping[str, Any], body: memoryview | None) -> str:
-        return self._current(rid).session.apply(header, body)
+        r = self._current(rid)
+        r.desk.supersede(header.get("index"))
+        return r.session.apply(header, body)
 
     def apply_stream(self, rid: str | None, header: Mapping[str, Any],
                      read_into: Callable[[memoryview], int], nbytes: int) -> str:
-        """`apply` for a body still arriving on the request (the http payload route)."""
-        return self._current(rid).session.apply_stream(header, read_into, nbytes)
+        """`apply` for a body still arriving on the request (the http payload route); a relay
+        of the same bucket gives way (receiver.relay.Desk.supersede)."""
+        r = self._current(rid)
+        r.desk.supersede(header.get("index"))
+        return r.session.apply_stream(header, read_into, nbytes)
 
     def expect(self, rid: str | None, body: Mapping[str, Any]) -> None:
         """The trainer announces a bucket that will arrive through a relay (receiver.relay)."""

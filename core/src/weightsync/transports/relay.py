@@ -19,6 +19,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any, Callable, Mapping, Sequence
 
+import requests
+
 from ..errors import TransportError
 from ..httpclient import Parts
 from ..interfaces import Adapter, Payload
@@ -34,6 +36,16 @@ def tree(names: Sequence[str], degree: int) -> dict[str, list[str]]:
     (breadth first, so the tree is as shallow as the degree allows)."""
     return {n: [names[c] for c in range(k * degree + 1, min(len(names), k * degree + degree + 1))]
             for k, n in enumerate(names)}
+
+
+def _below(kids: dict[str, list[str]], name: str) -> list[str]:
+    """Every member under `name` in the tree (not `name` itself)."""
+    out, todo = [], list(kids.get(name, []))
+    while todo:
+        n = todo.pop(0)
+        out.append(n)
+        todo += kids.get(n, [])
+    return out
 
 
 class Relays:
@@ -108,15 +120,23 @@ class Relays:
         kids = tree(names, self.degree)
         parent = {c: p for p, cs in kids.items() for c in cs}
         fails: dict[str, BaseException] = {}
-        if names:
-            self.pool.submit(self._feed_root, payload, body, by[names[0]], post, left)
         waits = {self.pool.submit(self._answer, by[n], payload.index, left): n for n in names}
+        if names:                           # the root's POST: None, or why it could not be sent
+            waits[self.pool.submit(self._feed_root, payload, body, by[names[0]], post, left)] = ""
         jobs: dict[str, Future] = {}
 
         def feed(n: str, reason: str) -> None:
+            if n in jobs:
+                return
             self._note(f"bucket {payload.index}: {n} fed directly by the trainer ({reason})")
             jobs[n] = self.pool.submit(direct, by[n])
             jobs[n].reason = reason  # type: ignore[attr-defined]
+
+        def unreachable(n: str, why: str) -> None:
+            """A member that cannot be reached relays nothing: its whole subtree now."""
+            feed(n, why)
+            for c in _below(kids, n):
+                feed(c, f"relay {n} above it cannot be reached")
         for n in by:
             if n in refused:
                 feed(n, f"its announcement failed: {type(refused[n]).__name__}: {refused[n]}")
@@ -125,7 +145,13 @@ class Relays:
             try:
                 got = w.result()
             except BaseException as e:  # noqa: BLE001 - asked again by the direct send
-                feed(n, f"no answer: {type(e).__name__}: {e}")
+                unreachable(n, f"no answer: {type(e).__name__}: {e}")
+                continue
+            if not n:
+                if got is not None:
+                    unreachable(names[0], f"the trainer's copy could not be sent: {got}")
+                continue
+            if n in jobs:                   # fed directly already: its relay was dropped
                 continue
             status = checked(self.keys.get(n, ""), payload.index, got)
             if status == ("ok", payload.digest):
@@ -137,7 +163,6 @@ class Relays:
                     f"as a relay it forwarded bytes of bucket {payload.index} to {n} that do not "
                     f"match the digests the trainer announced; it is not trusted with this "
                     f"version")
-                jobs.pop(p, None)
             why = got.get("error") if isinstance(got, Mapping) else None
             if status is None and isinstance(why, str) and why.startswith("stalled:") and n in parent:
                 self._note(f"bucket {payload.index}: relay {parent[n]} stalled feeding {n}")
@@ -154,17 +179,23 @@ class Relays:
         return fails
 
     def _feed_root(self, payload: Payload, body: Any, root: Adapter,
-                   post: Callable[[Adapter, Any, float], Any], left: Callable[[], float]) -> None:
-        """The one copy that leaves the trainer; how it went, the root answers itself."""
+                   post: Callable[[Adapter, Any, float], Any], left: Callable[[], float]
+                   ) -> str | None:
+        """The one copy that leaves the trainer. A root that answered (even with a refusal)
+        tells the trainer itself what it lacks; one that could not be reached: why."""
         t = root.relay_target()
         try:
             headers = {**t.headers, RELAY_HEADER: self._secret(self.tokens, root.engine_name),
                        "Content-Type": "application/octet-stream"}
             post(root, dict(url=t.url, data=Parts(frame(payload.header(), body)),
                             headers=headers), max(0.05, left()))
+            return None
+        except requests.ConnectionError as e:
+            return f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - the root's answer says what it lacks
             log.info("bucket %d to relay root %s: %s: %s", payload.index, root.engine_name,
                      type(e).__name__, e)
+            return None
 
     def _answer(self, member: Adapter, index: int, left: Callable[[], float]) -> Mapping[str, Any]:
         """The member's own outcome, asked over its own channel (a relay cannot hide it); the
