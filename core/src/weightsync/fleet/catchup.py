@@ -50,6 +50,24 @@ class CatchUp:
             except Exception as e:  # noqa: BLE001 - the loop must outlive any one member
                 log.warning("catch-up scan failed: %s", e)
 
+    def _lags(self, m: Any, current: int, now: float) -> bool:
+        """Behind the fleet, no join running for it, and no failed one for this version lately."""
+        return (m.reg.role == "engine" and m.state in ("live", "behind")
+                and (m.version or 0) < current and m.reg.name not in self.jobs
+                and not (self.failed.get(m.reg.name, (-1, 0.0))[0] == current
+                         and now - self.failed[m.reg.name][1] < self.cooldown))
+
+    def due(self, m: Any) -> bool:
+        """A live member the next scan will start a peer join for (it registered or came back
+        behind the fleet a moment ago): a push leaves it to that join, as it does a member
+        already `joining`, instead of racing it. Called with the roster's lock held."""
+        current = self.service.roster.current
+        if not self.enabled or current is None or m.state != "live" \
+                or not self._lags(m, current, time.monotonic()):
+            return False
+        cls = self.service.components.adapters.get(m.reg.adapter.kind)
+        return "pull" in cls.capabilities and bool(self._peers(m.reg.name, current, set()))
+
     def _scan(self) -> None:
         roster = self.service.roster
         roster.expire()
@@ -58,11 +76,7 @@ class CatchUp:
             if current is None:
                 return
             now = time.monotonic()
-            behind = [m for m in roster.members.values()
-                      if m.reg.role == "engine" and m.state in ("live", "behind")
-                      and (m.version or 0) < current and m.reg.name not in self.jobs
-                      and not (self.failed.get(m.reg.name, (-1, 0.0))[0] == current
-                               and now - self.failed[m.reg.name][1] < self.cooldown)]
+            behind = [m for m in roster.members.values() if self._lags(m, current, now)]
         for m in behind:
             cls = self.service.components.adapters.get(m.reg.adapter.kind)
             if not self.enabled or "pull" not in cls.capabilities:

@@ -194,7 +194,8 @@ class RegistryService:
         with self.roster.lock:
             return [Member(m.reg.name, m.reg.spec(), m.version, {"state": m.state})
                     for m in self.roster.members.values()
-                    if m.reg.role == "engine" and m.state in ("live", "behind")]
+                    if m.reg.role == "engine" and m.state in ("live", "behind")
+                    and not self.catchup.due(m)]
 
     def excluded(self) -> dict[str, str]:
         self.roster.expire()
@@ -205,6 +206,8 @@ class RegistryService:
                     continue
                 if m.state == "joining":
                     out[m.reg.name] = f"catching up from peer {m.via or '?'}"
+                elif self.catchup.due(m):
+                    out[m.reg.name] = "behind the fleet: a peer join for it is starting"
                 elif m.state == "lapsed":
                     out[m.reg.name] = m.error or "lease lapsed"
             return out
