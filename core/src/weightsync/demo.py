@@ -114,7 +114,8 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
                     stats.append(st)
                     print_step(st)
                     ok &= st.error is None or not push
-                    if fleet and st.step == stop_at:
+                    # the control run (no pushes) has no version for engine-b to catch up to
+                    if fleet and push and st.step == stop_at:
                         ok &= _restart(started, launch, sync, st.step)
             finally:
                 for e in started.values():

@@ -19,6 +19,7 @@ from ..sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
 
 ROUND_HEADER = "X-Weightsync-Round"
 _OPEN_ROUND = re.compile(r"is open; this begin .* lease expires in ([0-9.]+)s")
+_OPEN_ROUND_POLL = 0.25      # seconds between begins while another trainer's round is open
 
 
 class ReferenceOptions(BaseModel):
@@ -71,7 +72,9 @@ class ReferenceAdapter(Adapter):
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
         """Open a round. A round left open by a trainer that died (its lease still running)
         is waited out, within the push's deadline, instead of failing the push: a restarted
-        trainer takes over once the old lease lapses."""
+        trainer takes over once the old lease lapses. The wait is polled (at most
+        `_OPEN_ROUND_POLL` s a try), so a round that ends early lets this one in at once
+        rather than after its whole lease."""
         self.round_id = None
         while True:
             try:
@@ -82,10 +85,11 @@ class ReferenceAdapter(Adapter):
                 m = _OPEN_ROUND.search(e.detail)
                 if m is None or self.deadline is None:
                     raise
-                wait = min(float(m.group(1)) + 0.1, self.deadline - time.monotonic() - 1.0)
-                if wait <= 0:
+                left = self.deadline - time.monotonic() - 1.0
+                if min(float(m.group(1)) + 0.1, left) <= 0:
                     raise
-                time.sleep(wait)        # the engine said when the old lease ends
+                # the engine said when the old lease ends; the round may end sooner
+                time.sleep(min(float(m.group(1)) + 0.1, left, _OPEN_ROUND_POLL))
         self.round_id = body.get("round")
 
     def renew(self) -> None:
