@@ -7,8 +7,16 @@ The bytes then arrive from the parent (`relay`): every piece is checked against 
 digest before it is forwarded to the children or kept; a piece that does not match stops the
 bucket here (nothing of it is staged or forwarded further) and the answer, signed, says the
 parent tampered. Each child is fed on its own thread while later pieces still arrive, so the
-bucket moves down the tree a piece behind each hop, not a bucket. Once the body is whole it is
-staged like any payload (`ReceiveSession.apply`: signature, decode, digest).
+bucket moves down the tree a piece behind each hop, not a bucket. Where the session can stage a
+body as it arrives (raw or cast bytes: `ReceiveSession.streams`), the bytes land straight in the
+staging buffers and the children are fed from there (`receiver.landing`): no body buffer, no
+staging copy, and no member saves its staging for the bucket's end. Otherwise the body is read
+whole and then staged like any payload (`ReceiveSession.apply`: signature, decode, digest).
+
+A relay that stages as it receives holds the bucket in the session until it ends. When the
+trainer gives up on it (a stall) and sends the bucket itself, or the round ends, the relay's
+connection is shut (`Desk.supersede`, `Desk.close`) and the direct copy waits until the relay
+has let go of the bucket: two writers never stage one bucket.
 
 The trainer asks every member for its answer over that member's own channel (`Desk.answer`, a
 long poll), never through the tree: a relay that dies, stalls or lies cannot hide or forge a
@@ -32,8 +40,9 @@ from typing import Any, Callable, Mapping
 import requests
 
 from ..errors import PayloadError
-from ..pieces import entry, piece_digest
+from ..pieces import entry
 from ..wire import frame
+from .landing import Landing, Spans
 from .staging import read_exact
 
 RELAY_HEADER = "X-Weightsync-Relay"
@@ -76,8 +85,10 @@ class Expectation:
         self.deadline = time.monotonic() + self.left
         self.moved = time.monotonic()       # the last sign of life from the parent
         self.pieces_in = 0
-        self.claimed = False                # staging began: the outcome is the relay's own
+        self.claimed = False                # every piece is in: the outcome is the relay's own
         self.outcome: dict[str, Any] | None = None
+        self.busy = False                   # staging as it arrives: the session holds the bucket
+        self.cancel: Callable[[], None] | None = None    # shuts the relay's connection
 
     def stalled(self) -> str:
         what = (f"after piece {self.pieces_in - 1} of {len(self.pieces)}" if self.pieces_in
@@ -129,6 +140,36 @@ class Desk:
                                    f"the relayed bytes are dropped")
             e.moved, e.pieces_in = time.monotonic(), pieces_in
 
+    def start(self, e: Expectation, cancel: Callable[[], None] | None) -> None:
+        """A relay that stages as it receives begins: from now until `release` the session
+        holds the bucket, and `cancel` stops the relay (its connection is shut)."""
+        with self.cond:
+            if e.outcome is not None:
+                raise PayloadError(f"bucket {e.index}: this member already answered "
+                                   f"({e.outcome.get('error') or e.outcome.get('status')}); "
+                                   f"the relayed bytes are dropped")
+            e.moved, e.busy, e.cancel = time.monotonic(), True, cancel
+
+    def release(self, e: Expectation) -> None:
+        with self.cond:
+            e.busy = False
+            self.cond.notify_all()
+
+    def close(self, wait: float = 10.0) -> None:
+        """The round ends: every relay still staging as it receives is stopped and let go of
+        its bucket (bounded by `wait`) before the session closes."""
+        with self.cond:
+            busy = [e for e in self.expected.values() if e.busy]
+            for e in busy:
+                if e.outcome is None:
+                    e.outcome = {"status": "error", "error": "the round ended"}
+            self.cond.notify_all()
+        for e in busy:
+            if e.cancel is not None:
+                e.cancel()
+        with self.cond:
+            self.cond.wait_for(lambda: not any(e.busy for e in busy), timeout=wait)
+
     def claim(self, e: Expectation) -> None:
         """Every piece is in: staging is the relay's; a stall can no longer be declared."""
         with self.cond:
@@ -144,9 +185,11 @@ class Desk:
             self.cond.notify_all()
 
     def supersede(self, index: Any, wait: float = 60.0) -> None:
-        """The trainer sends bucket `index` itself: a relay of it that has not begun staging
-        is dropped (its long poll answers at once); one that has is waited for, so the two
-        never stage the bucket at the same time (the direct copy then finds it staged)."""
+        """The trainer sends bucket `index` itself: a relay of it that has not received every
+        piece is dropped (its long poll answers at once; one staging as it receives is stopped
+        and let go of the bucket first); one that has is waited for, so the two never stage
+        the bucket at the same time (the direct copy then finds it staged)."""
+        cancel = None
         with self.cond:
             e = self.expected.get(index) if isinstance(index, int) else None
             if e is None:
@@ -154,7 +197,12 @@ class Desk:
             if e.outcome is None and not e.claimed:
                 e.outcome = {"status": "error", "error": "fed directly by the trainer"}
                 self.cond.notify_all()
-            self.cond.wait_for(lambda: e.outcome is not None, timeout=wait)
+            if e.busy and not e.claimed:
+                cancel = e.cancel
+        if cancel is not None:
+            cancel()
+        with self.cond:
+            self.cond.wait_for(lambda: e.outcome is not None and not e.busy, timeout=wait)
 
     def answer(self, index: Any, wait: float) -> dict[str, Any]:
         """This member's outcome for bucket `index` (signed when it holds the bucket or caught
@@ -181,7 +229,7 @@ class Feed:
     """The frame for one child, sent while its pieces still arrive (an iterable body with a
     Content-Length: requests streams it)."""
 
-    def __init__(self, child: Mapping[str, Any], prefix: list[bytes], body: memoryview,
+    def __init__(self, child: Mapping[str, Any], prefix: list[bytes], body: Spans,
                  deadline: float) -> None:
         self.child, self.prefix, self.body, self.deadline = child, prefix, body, deadline
         self.q: queue.Queue = queue.Queue()
@@ -190,8 +238,9 @@ class Feed:
         return sum(len(p) for p in self.prefix) + len(self.body)
 
     def piece(self, a: int, b: int) -> Any:
-        """The bytes sent for piece [a, b) (a test engine overrides this to tamper or stall)."""
-        return self.body[a:b]
+        """The bytes sent for piece [a, b): views of where they lie, or one bytes-like (a test
+        engine overrides this to tamper or stall)."""
+        return self.body.parts(a, b)
 
     def __iter__(self):  # noqa: ANN204
         yield from self.prefix
@@ -201,7 +250,11 @@ class Feed:
                 return
             if item is None:
                 raise PayloadError("upstream bytes were refused; this child's frame is cut off")
-            yield self.piece(*item)
+            out = self.piece(*item)
+            if isinstance(out, list):
+                yield from out
+            else:
+                yield out
 
     def post(self, me: str, index: int, stall: float) -> None:
         """The child answers the trainer itself; a failure here is only logged."""
@@ -221,61 +274,72 @@ class Feed:
 
 
 def relay(session: Any, desk: Desk, header: Mapping[str, Any],
-          read_into: Callable[[memoryview], int], nbytes: int) -> dict[str, Any]:
+          read_into: Callable[[memoryview], int], nbytes: int,
+          cancel: Callable[[], None] | None = None) -> dict[str, Any]:
     """Receive one forwarded payload (see the module docstring): check, forward, stage; the
-    outcome goes to `desk` for the trainer's long poll."""
+    outcome goes to `desk` for the trainer's long poll. `cancel` shuts this request's
+    connection (a relay that stages as it receives is stopped with it)."""
     e = desk.get(header.get("index"))
     if dict(header) != e.header or nbytes != e.nbytes:
         raise PayloadError(f"relay refused: bucket {e.index}'s header is not the one the trainer "
                            f"announced to this member")
-    desk.moved(e, 0)
+    streams = session.streams(e.header)
+    if streams:
+        desk.start(e, cancel)
+    else:
+        desk.moved(e, 0)
     try:
-        body = _receive(desk, e, read_into, nbytes)
-        desk.claim(e)
-        digest = _STAGER.submit(session.apply, e.header, body).result()
+        digest = _carry(session, desk, e, read_into, nbytes, streams)
     except Tampered as err:
         desk.record(e, entry(e.ack_key, e.index, "tampered", e.parent, error=str(err)))
         raise
     except Exception as err:
         desk.record(e, {"status": "error", "error": f"{type(err).__name__}: {err}"})
         raise
+    finally:
+        desk.release(e)
     desk.record(e, entry(e.ack_key, e.index, "ok", digest))
-    return {"status": "staged", "digest": digest}
+    return {"status": "staged", "digest": digest, "streamed": streams}
 
 
-def _receive(desk: Desk, e: Expectation, read_into: Callable[[memoryview], int],
-             nbytes: int) -> memoryview:
-    """Read, check and pass on every piece; each child is fed on its own thread."""
-    buf = bytearray(nbytes)
-    body = memoryview(buf)
-    feeds = [Feed(c, [bytes(p) for p in frame(e.header, b"")[:2]], body, e.deadline)
-             for c in e.children]
+def _carry(session: Any, desk: Desk, e: Expectation, read_into: Callable[[memoryview], int],
+           nbytes: int, streams: bool) -> str:
+    """Read, check and pass on every piece (each child fed on its own thread), and stage the
+    body: as it lands where the session streams it, else once it is whole."""
+    feeds: list[Feed] = []
+
+    def check(k: int, got: str) -> None:
+        if got != e.pieces[k]:
+            raise Tampered(f"bucket {e.index}, piece {k}: the bytes from relay {e.parent} do "
+                           f"not match the digest the trainer announced; nothing of this "
+                           f"bucket was kept or forwarded")
+        desk.moved(e, k + 1)
+        if k == len(e.pieces) - 1:
+            desk.claim(e)
+
+    def ready(a: int, b: int) -> None:
+        for f in feeds:
+            f.q.put((a, b))
+
+    buf = None if streams else bytearray(nbytes)
+    landing = Landing(read_into, nbytes, e.piece_bytes, check, ready, f"bucket {e.index}", buf)
+    prefix = [bytes(p) for p in frame(e.header, b"")[:2]]
+    feeds += [Feed(c, prefix, landing.spans, e.deadline) for c in e.children]
     for f in feeds:
         threading.Thread(target=f.post, args=(e.name, e.index, e.stall), daemon=True,
                          name="ws-relay-feed").start()
-    base = _address(buf)
-    ok = False
+    ok, digest = False, ""
     try:
-        for k, a in enumerate(range(0, nbytes, e.piece_bytes)):
-            b = min(nbytes, a + e.piece_bytes)
-            try:
-                read_exact(read_into, body[a:b])
-            except PayloadError as cut:
-                raise PayloadError(f"bucket {e.index}, piece {k}: the relayed {cut}") from None
-            if piece_digest(base + a, b - a) != e.pieces[k]:
-                raise Tampered(f"bucket {e.index}, piece {k}: the bytes from relay {e.parent} do "
-                               f"not match the digest the trainer announced; nothing of this "
-                               f"bucket was kept or forwarded")
-            desk.moved(e, k + 1)
-            for f in feeds:
-                f.q.put((a, b))
-        ok = True
+        if buf is None:
+            digest = session.apply_stream(e.header, landing, nbytes)
+        else:
+            read_exact(landing, memoryview(buf))
+        ok = landing.piece == len(e.pieces)
     finally:
         for f in feeds:
             f.q.put(_END if ok else None)
-    return body
-
-
-def _address(buf: bytearray) -> int:
-    import ctypes
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
+    if not e.claimed:
+        desk.claim(e)                 # an empty body has no last piece
+    if buf is None:
+        return digest
+    return _STAGER.submit(session.apply, e.header, memoryview(buf)).result()

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -197,8 +198,15 @@ def _expect(h: Any, q: dict) -> Any:
 def _relay(h: Any, q: dict) -> Any:
     from ..receiver.relay import RELAY_HEADER, Tampered
     read_into = h.body_reader()
+
+    def cancel() -> None:                 # unblocks a read from a parent that stalled
+        try:
+            h.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
     try:
-        return h.engine.relay(_rid(h), h.headers.get(RELAY_HEADER), read_into, read_into.left)
+        return h.engine.relay(_rid(h), h.headers.get(RELAY_HEADER), read_into, read_into.left,
+                              cancel)
     except Tampered as e:
         raise HttpError(422, str(e)) from None
 

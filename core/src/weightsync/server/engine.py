@@ -75,7 +75,8 @@ class ReferenceEngine(Generation):
         self.shares = Shares(key=hmac_key)       # peer join: tokens this engine serves
         self.pulled = 0                          # versions taken from a peer
         self.pulled_from: str | None = None
-        self.relayed = {"received": 0, "forwarded": 0}   # buckets that came through a relay
+        # buckets that came through a relay; "streamed": of those, staged as they arrived
+        self.relayed = {"received": 0, "forwarded": 0, "streamed": 0}
         self.distrusted: dict[str, Any] | None = None   # set when the trainer's probe failed
         self.sampler: Sampler | None = None
         if model.module is not None:
@@ -168,14 +169,16 @@ class ReferenceEngine(Generation):
         self._current(rid).desk.expect(body)
 
     def relay(self, rid: str | None, token: str | None, read_into: Callable[[memoryview], int],
-              total: int) -> dict[str, Any]:
-        """A frame forwarded by a parent member: token checked before any body byte is read."""
+              total: int, cancel: Callable[[], None] | None = None) -> dict[str, Any]:
+        """A frame forwarded by a parent member: token checked before any body byte is read;
+        `cancel` shuts its connection (receiver.relay.Desk.supersede)."""
         from ..wire import read_frame_header
         r = self._current(rid)
         r.desk.check_token(token)
         header, nbytes = read_frame_header(read_into, total)
-        out = relay(r.session, r.desk, header, read_into, nbytes)
+        out = relay(r.session, r.desk, header, read_into, nbytes, cancel)
         self.relayed["received"] += 1
+        self.relayed["streamed"] += bool(out.get("streamed"))
         self.relayed["forwarded"] += len(r.desk.get(header.get("index")).children)
         return out
 
@@ -192,6 +195,7 @@ class ReferenceEngine(Generation):
             r = self._current(rid)
             if r.version != version:
                 raise Conflict(f"commit of version {version}, but round {r.id} is for {r.version}")
+            r.desk.close()                   # no relay writes into staging past here
             with self.model_lock:
                 r.session.commit()
                 self.version = version
@@ -209,6 +213,7 @@ class ReferenceEngine(Generation):
                 return
             r = self._current(rid)
             self.round = None
+            r.desk.close()
             r.session.close()
         log.info("round %s aborted; version stays %d", r.id, self.version)
 
@@ -269,7 +274,7 @@ class ReferenceEngine(Generation):
             self.lapsed += 1
             log.warning("round %s (version %d): lease lapsed after %.1fs without renewal; aborted, "
                         "the engine stays at version %d", r.id, r.version, r.lease, self.version)
-            threading.Thread(target=r.session.close, daemon=True, name="ws-round-close").start()
+            threading.Thread(target=_close, args=(r,), daemon=True, name="ws-round-close").start()
 
     def _watch(self) -> None:
         while not self._stop.wait(0.05):
@@ -347,3 +352,9 @@ class ReferenceEngine(Generation):
                     raise PayloadError(f"tensor {n!r} is not in the engine's model")
                 out[n] = t.detach().to("cpu", copy=True).contiguous()
         return out
+
+
+def _close(r: Round) -> None:
+    """End a round whose lease lapsed: its relays first, then its session."""
+    r.desk.close()
+    r.session.close()
