@@ -264,16 +264,20 @@ class Round:
             self.report.engines[a.engine_name].caught_up = self.caught_up
         clock, version = self.clock, self.report.version
         active = list(engines)
-        first = [a for a in active if not a.staging or self.settings.pause == "sync"]
+        first = {a.engine_name for a in active if not a.staging or self.settings.pause == "sync"}
         try:
-            if first:
-                with clock.timed("pause"):
-                    active = self.drop(active, self._pause(first, self.settings.pause_mode), "pause")
+            # the round (and its lease) opens before any engine is paused: a trainer that dies
+            # at any point leaves no engine paused by a round that nothing will end (an engine's
+            # own pause may have no lease: vLLM's has none)
             with clock.timed("begin"):
                 _, fails = self.calls.each(active, lambda a: a.begin(version, self.plan))
             self.begun = {a.engine_name for a in active if a.engine_name not in fails}
             active = self.drop(active, fails, "begin")
             self.renewer.add(active)
+            if any(a.engine_name in first for a in active):
+                with clock.timed("pause"):
+                    active = self.drop(active, self._pause([a for a in active if a.engine_name in first],
+                                                           self.settings.pause_mode), "pause")
             with clock.timed("open"):
                 active = self.drop(active, self.transport.open(active, version), "open")
             if not active and mode == "engines":
