@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -141,3 +142,18 @@ def test_check_reports_every_problem_at_once(tmp_path):
     assert out.returncode == 2 and len(errors) >= 2, out.stderr
     assert any("unknown transport 'teleport'" in e for e in errors)
     assert any("encoding 'cast': bad options" in e for e in errors)
+
+
+def test_serve_makes_openmp_threads_wait_passively_unless_told():
+    """Engine processes share a host's cores: `serve` makes torch's OpenMP threads wait
+    passively (set before torch loads), unless the user chose a policy."""
+    code = ("import os, sys; from weightsync.cli import main\n"
+            "main(['serve', '--model', '/nonexistent-model-dir'])\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert out.stdout.split() == ["PASSIVE", "False"], out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert out.stdout.split() == ["ACTIVE", "False"], out.stdout + out.stderr

@@ -54,7 +54,12 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
+    # OpenMP threads that wait passively: engine processes often share a host's cores (several
+    # per host, relays staging beside generation), and torch's default busy-wait after every
+    # parallel op burned several times a delta's decode in CPU there. Read when torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not Path(args.model).is_dir():
         raise UserError(f"model directory {args.model} does not exist (give --model the "
                         f"directory with config.json and *.safetensors)")
