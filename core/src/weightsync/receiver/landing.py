@@ -43,29 +43,20 @@ class Spans:
     def __len__(self) -> int:
         return self.nbytes
 
-    @classmethod
-    def of(cls, buf: bytearray) -> "Spans":
-        """One run: a body received whole into `buf`."""
-        s = cls(len(buf))
-        if buf:
-            s.add(0, memoryview(buf))
-        return s
-
-    def add(self, at: int, view: memoryview) -> None:
-        """Bytes [at, at + len(view)) of the body now lie in `view`; a run that continues the
-        last one in memory is merged into it."""
+    def add(self, at: int, view: memoryview) -> int:
+        """Bytes [at, at + len(view)) of the body now lie in `view` (non-empty), whose address
+        is returned; a run that continues the last one in memory is merged into it."""
         n = len(view)
-        if not n:
-            return
         where = address(view)
         last = self.runs[-1] if self.runs else None
         if last is not None and last[0] + last[2] == at and last[1] + last[2] == where:
             last[2] += n
             if view.obj is not last[-1]:
                 last.append(view.obj)
-            return
+            return where
         self.starts.append(at)
         self.runs.append([at, where, n, view.obj])
+        return where
 
     def parts(self, a: int, b: int) -> list[memoryview]:
         """Bytes [a, b) as views of the memory they lie in (no copy)."""
@@ -129,8 +120,7 @@ class Landing:
     def _landed(self, view: memoryview) -> None:
         if not (view.obj is self.owned or isinstance(view.obj, np.ndarray)):
             view = memoryview(bytearray(view))       # memory that may be read into again
-        self.spans.add(self.at, view)
-        where, n, off = address(view), len(view), 0
+        where, n, off = self.spans.add(self.at, view), len(view), 0
         while off < n:
             end = min(self.spans.nbytes, (self.piece + 1) * self.piece_bytes)
             take = min(n - off, end - self.at)
