@@ -18,6 +18,7 @@ from weightsync.encodings.cast import CastEncoding
 from weightsync.exporters.torch import TorchExporter
 from weightsync.mlh import _triton, chunk_sums
 from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
+from weightsync.testing.engines import start_all
 from weightsync.testing.sample import perturb
 from weightsync.wire import unpack
 
@@ -114,3 +115,44 @@ def test_bench_gpu_rows(tmp_path: Path) -> None:
     assert all(r["seconds"] > 0 and r["detail"]["device"] == "cuda" for r in result["rows"])
     assert {"cuda_ipc_vs_device_copy", "cuda_ipc_push_vs_device_copy"} <= set(result["targets"])
     assert "H100" in result["device"] or result["device"] != "cpu"
+
+
+@pytest.mark.parametrize("shape,encoding", [("chain", None), ("tree", "cast")])
+def test_a_relayed_push_lands_bit_exact_in_engines_on_cuda(tmp_path: Path, shape: str,
+                                                           encoding: str | None) -> None:
+    """Members that hold their weights on the GPU pass the trainer's one copy on piece by piece
+    (the `http` transport's relay shapes): every member stages what it streamed into CUDA memory
+    and commits bit for bit, and each member past the first got its bytes from a member."""
+    sd = sample_state_dict(scale=4)
+    if encoding == "cast":       # engines hold bf16; the trainer pushes fp32 master weights
+        sd = {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in sd.items()}
+    model = write_weights_only_model(tmp_path / "m", sd)
+    engines = [EngineProcess(model, name=f"e{i}", device="cuda", log=tmp_path / f"e{i}.log")
+               for i in range(4)]
+    start_all(engines, timeout=120)
+    cfg = {"adapter": "reference", "engines": [e.spec() for e in engines],
+           "transport": {"kind": "http", "options": {"shape": shape, "degree": 2,
+                                                      "piece_bytes": 1 << 16}},
+           "exporter": {"kind": "torch", "options": {"bucket_bytes": 1 << 20}},
+           "sync": {"progress": "off", "deadline": 60}}
+    if encoding:
+        cfg["encoding"] = {"kind": encoding, "options": {"dtype": "bfloat16"}}
+    try:
+        with WeightSync.from_config(cfg) as sync:
+            for v in (1, 2):
+                sd = perturb(sd, v)
+                sent = {k: (t.float() if encoding and t.is_floating_point() else t).cuda()
+                        for k, t in sd.items()}
+                report = sync.push(sent, version=v)
+                assert report.ok and report.verified, report.summary()
+                assert sync.transport.relay_events == [], sync.transport.relay_events
+                for e in engines:
+                    got = e.weights()
+                    assert e.health()["version"] == v, e.name
+                    assert all(torch.equal(got[n], t) for n, t in sd.items()), (e.name, v)
+        relay = {e.name: e.health()["relay"] for e in engines}
+        assert sum(r["forwarded"] for r in relay.values()) == 2 * report.buckets * 3, relay
+        assert all(r["streamed"] == r["received"] > 0 for r in relay.values()), relay
+    finally:
+        for e in engines:
+            e.stop()
