@@ -14,7 +14,8 @@ network needs.
   non-loopback address without a key says so loudly at start.
 
 Routes are plain functions registered on a `Routes` table: `(handler, query) -> result`, where a
-dict result is sent as JSON and bytes as application/octet-stream."""
+dict result is sent as JSON, bytes as application/octet-stream, and a `Streamed` as binary
+written while its parts become available."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs, urlparse
 
 from .errors import PayloadError, WeightSyncError
@@ -45,6 +46,15 @@ class HttpError(WeightSyncError):
         super().__init__(message)
         self.status = status
         self.extra = extra
+
+
+@dataclass
+class Streamed:
+    """A binary answer of `nbytes` written part by part as `parts` yields them (a relay's body
+    while it still arrives). One that stops short closes the connection: the client sees a
+    short body, never a wrong one."""
+    nbytes: int
+    parts: Iterable[memoryview]
 
 
 @dataclass
@@ -179,6 +189,22 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def send_stream(self, result: Streamed) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(result.nbytes))
+        self.end_headers()
+        sent = 0
+        try:
+            for part in result.parts:
+                self.wfile.write(part)
+                sent += len(part)
+        except Exception as e:  # noqa: BLE001 - the head is out: only a short body can say it
+            log.info("%s: a streamed answer stopped after %d of %d bytes: %s", self.name, sent,
+                     result.nbytes, e)
+        if sent != result.nbytes:
+            self.close_connection = True
+
     def send_error_json(self, status: int, message: str, **extra: Any) -> None:
         self.send(status, json.dumps({"error": f"{self.name}: {message}", **extra}).encode())
 
@@ -247,7 +273,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.proven = True       # no key to show: an answered request proves enough
             if self._length:
                 self.discard_body()      # a route that ignored its body
-            if isinstance(result, (bytes, bytearray, memoryview)):
+            if isinstance(result, Streamed):
+                self.send_stream(result)
+            elif isinstance(result, (bytes, bytearray, memoryview)):
                 self.send(200, bytes(result), "application/octet-stream")
             elif isinstance(result, tuple):          # (bytes, content type, headers)
                 self.send(200, result[0], result[1], result[2] if len(result) > 2 else None)

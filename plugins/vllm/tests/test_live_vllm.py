@@ -281,3 +281,54 @@ def test_a_killed_trainers_round_lapses_in_vllm_too(live: Live, tmp_path: Path) 
     report = _push(live, new, v + 1)
     assert report.ok and live.version() == v + 1
     _push(live, live.original, v + 2)
+
+
+@pytest.fixture(scope="module")
+def live_b(live: Live, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A second server of the same checkpoint, for the relay shapes."""
+    root = tmp_path_factory.mktemp("vllm-b")
+    server = VllmServer(live.model_dir, log=root / "server.log", name="vllm-b",
+                        api_key=live.server.api_key, max_model_len=2048)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _relayed(server: VllmServer) -> dict[str, Any]:
+    """What came to the server's worker through pull relays (weightsync_state's counters)."""
+    return requests.post(server.url + "/collective_rpc", headers=server.headers(),
+                         json={"method": "weightsync_state", "kwargs": {"digests": False}},
+                         timeout=30).json()["results"][0]["relay"]
+
+
+def test_a_chain_of_vllm_servers_passes_each_bucket_on(live: Live, live_b: VllmServer) -> None:
+    """`shape: chain`: the trainer offers each bucket once; the second server's worker fetches
+    it from the first one's while the first still receives it, checked piece by piece against
+    the trainer's digests; both verify and serve the new weights, and the trainer's copy of each
+    bucket left it once."""
+    b = VllmAdapter(VllmOptions(**live_b.spec()["options"]), EngineSpec(**live_b.spec()))
+    live.reset()
+    b.load_from_disk(str(live.model_dir), 0, allow_older=True)
+    before = live.greedy()
+    assert live_b.complete(PROMPT, 16)["output_ids"] == before
+    counts = [_relayed(s) for s in (live.server, live_b)]
+    new = _perturbed(live.original, 5)
+    cfg = {"adapter": "vllm", "engines": [live.server.spec(), live_b.spec()],
+           "transport": {"kind": "http", "options": {"shape": "chain", "piece_bytes": 65536}},
+           "exporter": {"kind": "torch", "options": {"bucket_bytes": "1MiB"}},
+           "sync": {"progress": "off"}}
+    with WeightSync.from_config(cfg) as sync:
+        report = sync.push(new, version=1)
+        assert report.ok and report.verified, report.summary()
+        assert sync.transport.relay_events == []
+        assert sync.transport.trainer_fetches == report.buckets      # the root's copy only
+    root, child = ({k: a[k] - c[k] for k in ("buckets", "from_parent", "from_trainer")}
+                   for a, c in zip([_relayed(s) for s in (live.server, live_b)], counts))
+    assert root["buckets"] == child["buckets"] == report.buckets, (root, child)
+    assert child["from_parent"] == root["from_parent"] > 0 and child["from_trainer"] == 0
+    after = live.greedy()
+    assert after != before and live_b.complete(PROMPT, 16)["output_ids"] == after
+    assert b.health().version == live.version() == 1
+    live.reset()

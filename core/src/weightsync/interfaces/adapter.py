@@ -128,6 +128,18 @@ class Adapter(Bounded, Component):
         own channel, so no relay can hide or forge it."""
         raise NotImplementedError(f"adapter {self.name!r} cannot take relayed payloads")
 
+    def relay_source(self) -> str | None:
+        """Pull relays of `http` (engines that fetch their bodies by reference): the URL of the
+        body server where this engine offers the pieces it checked to the engines it feeds;
+        None: it cannot pass bytes on this way."""
+        return None
+
+    def take_fetch(self, header: Mapping[str, Any], fetch: Mapping[str, Any]) -> None:
+        """Pull relays: hand the engine one payload to fetch by reference (`fetch`: url, token,
+        nbytes, and under "relay" the piece digests, what to offer on, and the trainer's
+        fallback copy); returns once it staged the payload."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot fetch relayed payloads")
+
     def announce(self, header: Mapping[str, Any]) -> None:
         raise NotImplementedError(f"adapter {self.name!r} cannot announce out-of-band payloads")
 

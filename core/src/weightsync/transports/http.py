@@ -24,6 +24,7 @@ from ..errors import EngineUnavailable, PayloadError, TransportError
 from ..httpclient import Parts, call, session_for
 from ..interfaces import Adapter, Payload, Transport, TransportReceiver
 from ..wire import frame
+from .pull import PullRelays
 from .relay import Relays, tree
 
 
@@ -44,6 +45,12 @@ class HttpOptions(BaseModel):
     stall: float = Field(30.0, gt=0, description="chain/tree: seconds a member waits for its "
                                                  "relay's next piece before it gives up on it "
                                                  "(the trainer then feeds it)")
+    body_host: str = Field("127.0.0.1", description="chain/tree with engines that fetch their "
+                                                    "bodies: address the trainer's body "
+                                                    "server binds to")
+    body_advertise: str | None = Field(None, description="address those engines reach the "
+                                                         "trainer's body server at (default: "
+                                                         "body_host)")
 
 
 class HttpReceiver(TransportReceiver):
@@ -93,13 +100,22 @@ class HttpTransport(Transport):
         self._pending: list[tuple[str, Future]] = []     # (engine, POST) not yet collected
         self._seq = 0
         o = self.options
-        self._relays = None if o.shape == "star" else \
-            Relays(1 if o.shape == "chain" else o.degree, o.piece_bytes, o.stall)
+        degree = 1 if o.shape == "chain" else o.degree
+        self._relays = None if o.shape == "star" else Relays(degree, o.piece_bytes, o.stall)
+        self._pulls = None if o.shape == "star" else \
+            PullRelays(degree, o.piece_bytes, o.stall, o.body_host, o.body_advertise, o.timeout)
 
     @property
     def relay_events(self) -> list[str]:
         """What the relay shapes did this round beyond the plan (fallbacks, relays blamed)."""
-        return list(self._relays.events) if self._relays is not None else []
+        if self._relays is None or self._pulls is None:
+            return []
+        return list(self._relays.events) + list(self._pulls.events)
+
+    @property
+    def trainer_fetches(self) -> int:
+        """Bodies engines fetched from the trainer through pull relays (roots and fallbacks)."""
+        return self._pulls.trainer_fetches if self._pulls is not None else 0
 
     # -- buffers ----------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -178,8 +194,9 @@ class HttpTransport(Transport):
 
     def open(self, engines: Sequence[Adapter], version: int) -> dict[str, BaseException]:
         self._collect(wait=True)
-        if self._relays is not None:
+        if self._relays is not None and self._pulls is not None:
             self._relays.open()
+            self._pulls.open()
         with self._lock:
             self._turn = 0
             for b in self._ring:         # a payload allocated by an aborted sync was never sent
@@ -216,11 +233,16 @@ class HttpTransport(Transport):
         relayed = [a for a in engines if a.relay_target() is not None] if self._relays else []
         if len(relayed) < 2:
             relayed = []
-        star = [a for a in engines if a not in relayed]
+        pulled = [a for a in engines if a not in relayed and _pulls(a)] if self._pulls else []
+        if len(pulled) < 2:
+            pulled = []
+        star = [a for a in engines if a not in relayed and a not in pulled]
         posts = {a.engine_name: self._pool.submit(self._post, a, payload, body, lane) for a in star}
         jobs = [self._pool.submit(self._relays.push, payload, body, relayed, self._relay_post,
                                   lambda a: self._post(a, payload, body, lane), self._left)
                 ] if relayed and self._relays is not None else []
+        if pulled and self._pulls is not None:
+            jobs.append(self._pool.submit(self._pulls.push, payload, body, pulled, self._left))
         self._release_when_done(buf, list(posts.values()) + jobs)
         with self._lock:
             self._pending += [(n, posts[n]) for n in posts] + [("", j) for j in jobs]
@@ -247,6 +269,16 @@ class HttpTransport(Transport):
             self._pool = None
         if self._relays is not None:
             self._relays.close()
+        if self._pulls is not None:
+            self._pulls.close()
         for s in self._sessions.values():
             s.close()
         self._sessions.clear()
+
+
+def _pulls(a: Adapter) -> bool:
+    """Whether the engine can take part in pull relays (one that cannot be asked takes star)."""
+    try:
+        return a.relay_source() is not None
+    except Exception:  # noqa: BLE001 - its own send reports why
+        return False

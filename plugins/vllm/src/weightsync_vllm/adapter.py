@@ -95,6 +95,7 @@ class VllmAdapter(VllmRollouts, Adapter):
         self._bodies: Any = None    # weightsync.bodyserver.BodyServer, started on first use
         self._published: list[dict[str, Any]] = []
         self.token = self.options.token or os.environ.get(TOKEN_ENV) or None
+        self._source: tuple[str | None, str | None] | None = None   # (round, relay url)
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _call(self, method: str, path: str, *, body: Any = None, params: Any = None,
@@ -243,6 +244,28 @@ class VllmAdapter(VllmRollouts, Adapter):
         ref = self._bodies.publish(body.contiguous() if body.numel() else body)
         self._published.append(ref)
         return render_fetch(header, ref, self.round_id, self.token)
+
+    def relay_source(self) -> str | None:
+        """The relay body server of the worker of rank 0 (asked once per round: a restarted
+        server has another port); None with `bodies: inline` or where relaying is off."""
+        if self.options.bodies != "fetch":
+            return None
+        if self._source is None or self._source[0] != self.round_id:
+            body = self._post("/collective_rpc", {"method": "weightsync_state",
+                                                  "kwargs": {"digests": False}}) or {}
+            ranks = [r for r in (body.get("results") or []) if isinstance(r, dict)]
+            first = min(ranks, key=lambda r: int(r.get("rank", 0)), default={})
+            url = first.get("relay_url")
+            self._source = (self.round_id, str(url) if url else None)
+        return self._source[1]
+
+    def take_fetch(self, header: Mapping[str, Any], fetch: Mapping[str, Any]) -> None:
+        """One payload the workers fetch by reference (pull relays: from a parent engine or
+        the trainer, checked piece by piece)."""
+        self._post("/update_weights", {"update_info": {"round": self.round_id,
+                                                       "header": dict(header),
+                                                       "fetch": dict(fetch)}},
+                   timeout=self.options.payload_timeout)
 
     def _withdraw(self) -> None:
         if self._bodies is not None:

@@ -8,7 +8,9 @@ weightsync transport and decodes any weightsync encoding, over vLLM's own four-p
       group, "load_from_disk" a checkpoint directory)
   /start_weight_update                          opens a round (nothing touches the model)
   /update_weights {"update_info": {"header": {...}, "fetch": {"url", "token", "nbytes"}}}   one
-      payload; the body fetched in binary from the trainer's body server (http), or inline as
+      payload; the body fetched in binary from the trainer's body server (http; with "relay"
+      in the fetch: from the server above this one in a relay chain or tree, checked piece by
+      piece and offered on to the servers below, `weightsync.receiver.pull`), or inline as
       "body_b64" (http, `bodies: inline`), or placed out of band by the transport (shm,
       collective): then neither
   /collective_rpc {"method": "weightsync_state"} -> the digests of what was staged
@@ -47,6 +49,7 @@ from weightsync.receiver import read_checkpoint
 from weightsync.signing import load_key
 
 from .guard import INSECURE_ENV, TOKEN_ENV, check_root, insecure, load_roots, load_token
+from .relaying import relay_server
 from .staging import CheckpointIndex, Round, build_encoding, build_receiver
 
 log = logging.getLogger("weightsync.vllm")
@@ -107,6 +110,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                         f"${INSECURE_ENV} lets anyone who reaches this server's weight-transfer "
                         f"routes change its weights" if self.open else
                         "every weight update is refused until the server is restarted with one")
+        self.relay = relay_server(int(self.parallel_config.rank))   # pull relays: what it feeds
+        self.relayed = {"buckets": 0, "from_parent": 0, "from_trainer": 0, "fallbacks": []}
         threading.Thread(target=self._watch, name="weightsync-lease", daemon=True).start()
         log.info("weightsync backend ready: %d checkpoint tensors from %s",
                  len(self.index.specs), self.model_config.model)
@@ -242,6 +247,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 if self.round is not None:
                     self.round.aborted = True
                     self.round.staged.clear()
+                    self._ended(self.round)
                 server = self.server
             if server:              # close vLLM's update session and resume generation
                 threading.Thread(target=_after_lapse, args=(server,), daemon=True).start()
@@ -255,8 +261,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         if self.encoding is None or self.rx is None:
             raise PayloadError("no weightsync plan: POST /init_weight_transfer_engine with "
                                "init_info.plan (the weightsync 'vllm' adapter does this) first")
+        if self.round is not None:
+            self._ended(self.round)
         self.round = Round(self.index, self.encoding, self.rx, self.next_version, self.hmac_key)
         self.round.rid = self.round_id
+        self.round.relay = self.relayed          # counted across rounds
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         self._authorize(update_info.token)
@@ -273,6 +282,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 self._check(update_info.round)          # another trainer's round: refused
             r.aborted = True
             r.staged.clear()
+            self._ended(r)
             with self.lock:
                 self.round_id = None
             return
@@ -284,10 +294,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             body = memoryview(base64.b64decode(update_info.body_b64, validate=True))
         try:
             if update_info.fetch is not None:
-                r.stage_fetched(update_info.header, update_info.fetch)
+                r.stage_fetched(update_info.header, update_info.fetch, self.relay)
             else:
                 r.stage(update_info.header, body)
         except BaseException:
+            self._ended(r)
             self.round = None       # vLLM ends the session on an error; so does the round
             with self.lock:
                 self.round_id = None
@@ -303,6 +314,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         with self.lock:
             if r is not None and r.rid == self.round_id:
                 self.round_id = None          # a stale session's finish leaves a new round be
+        if r is not None:
+            self._ended(r)
         if r is None or r.aborted:
             return
         r.end()
@@ -312,6 +325,13 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         if r.version is not None:
             r.encoding.commit(r.version)
         log.info("weightsync: loaded %d tensors (version %s)", len(r.staged), r.version)
+
+    def _ended(self, r: Round) -> None:
+        """The round is over: stop offering its bodies to the engines it fed."""
+        if self.relay is not None:
+            for bid in r.offered:
+                self.relay.withdraw_id(bid)
+        r.offered = []
 
     def _load(self, named: dict[str, torch.Tensor]) -> None:
         """vLLM's layerwise reload: parameters go back to checkpoint layout on the meta device,
@@ -330,6 +350,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def shutdown(self) -> None:
         self.round = None
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         if self.rx is not None:
             self.rx.close()
             self.rx = None
@@ -360,6 +383,8 @@ def _weightsync_state(self: Any, digests: bool = True) -> dict[str, Any]:
     return {"digests": {str(k): v for k, v in engine.digests().items()} if digests else None,
             "committed": engine.committed, "rank": int(engine.parallel_config.rank),
             "round": engine.round_id if live else None, "lapsed": engine.lapsed,
+            "relay_url": engine.relay.url if engine.relay is not None else None,
+            "relay": dict(engine.relayed),
             "expires_in": round(engine.expires - time.monotonic(), 3) if live else None}
 
 

@@ -20,6 +20,7 @@ from weightsync.errors import PayloadError
 from weightsync.interfaces import Encoding, Payload, TransportReceiver
 from weightsync.signing import check as check_signature
 from weightsync.bucket import combine_digests
+from weightsync.receiver.pull import PullSpec, pull
 from weightsync.receiver import (BodyReader, build_encoding, build_receiver, check_digest,
                                  check_tensor, decode_checked, payload_nbytes, read_exact,
                                  read_staged, round_digests, stage_from)
@@ -125,6 +126,8 @@ class Round:
         self.last_index: int | None = None
         self.aborted = False
         self.rid: str | None = None           # the weightsync round this staging belongs to
+        self.offered: list[str] = []          # bodies offered to the engines this one feeds
+        self.relay = {"buckets": 0, "from_parent": 0, "from_trainer": 0, "fallbacks": []}
 
     def stage(self, header: Mapping[str, Any], body: memoryview | None) -> str:
         check_signature(self.hmac_key, int(self.version or 0), header)
@@ -143,10 +146,13 @@ class Round:
         finally:
             self.rx.release(header)
 
-    def stage_fetched(self, header: Mapping[str, Any], ref: Mapping[str, Any]) -> str:
+    def stage_fetched(self, header: Mapping[str, Any], ref: Mapping[str, Any],
+                      server: Any = None) -> str:
         """`stage` for a body the worker fetches from the trainer's body server: straight into
         fresh staging tensors, each piece hashed as it lands (raw and cast payloads with xxh3
-        digests); other encodings read the body whole and go through `stage`."""
+        digests); other encodings read the body whole and go through `stage`. A fetch with a
+        "relay" part comes through the relay tree (`weightsync.receiver.pull`): from a parent
+        engine, checked piece by piece, offered on `server` to the engines this one feeds."""
         from weightsync.bodyserver import fetch
         check_signature(self.hmac_key, int(self.version or 0), header)
         payload = Payload.from_header(header, torch.empty(0, dtype=torch.uint8))
@@ -154,6 +160,19 @@ class Round:
             raise PayloadError(f"bucket {payload.index}: the fetch reference is for "
                                f"{ref.get('nbytes')} bytes, the header says {header.get('nbytes')}")
         cap = self.index.total_bytes() + (16 << 20)
+        spec = PullSpec.parse(ref)
+        if spec is not None:
+            if server is None:            # not rank 0: it takes the bytes, feeds no one
+                spec.serve = None
+            got = pull(ref, spec, server, max_bytes=cap, timeout=300.0)
+            self.offered += got.offered
+            self.relay["buckets"] += 1
+            self.relay["from_parent"] += got.from_parent
+            self.relay["from_trainer"] += len(got.body) - got.from_parent
+            if got.reason:
+                self.relay["fallbacks"] = [*self.relay["fallbacks"][-19:],
+                                           f"bucket {payload.index}: {got.reason}"]
+            return self.stage(header, got.body)
         if not (self.encoding.streams and digest_algo(payload.digest) == "xxh3"):
             def whole(read_into: Any, n: int) -> memoryview:
                 body = memoryview(bytearray(n))
