@@ -15,7 +15,7 @@ import torch
 
 from weightsync import WeightSync
 from weightsync.testing import EngineProcess
-from weightsync.testing.engines import start_all
+from weightsync.testing.engines import running
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 HERE = Path(__file__).resolve().parent
@@ -45,21 +45,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tor
 @pytest.fixture
 def fleet(model: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, request: Any
           ) -> Iterator[list[EngineProcess]]:
+    """Five engines, or `request.param`: (how many, the program e0 runs)."""
     n, program = getattr(request, "param", (5, None))
-    engines = [EngineProcess(model[0], name=f"e{i}", log=tmp_path / f"e{i}.log",
-                             program=program if (program and i == 0) else None)
-               for i in range(n)]
-    start_all(engines, timeout=120)
-    try:
+    with running(model[0], tmp_path, n, {0: program} if program else None) as engines:
         yield engines
-    finally:
-        for e in engines:
-            e.stop()
-
-
-def holds(e: EngineProcess, sd: dict[str, torch.Tensor]) -> bool:
-    got = e.weights()
-    return all(torch.equal(got[n], t) for n, t in sd.items())
 
 
 @pytest.mark.parametrize("shape,degree,encoding", [("chain", 1, None), ("tree", 2, None),
@@ -78,7 +67,7 @@ def test_a_push_reaches_every_member_through_the_members(
             assert report.ok and report.verified, report.summary()
             assert sync.transport.relay_events == [], sync.transport.relay_events
             for e in fleet:
-                assert e.health()["version"] == v and holds(e, new), f"{e.name} at v{v}"
+                assert e.health()["version"] == v and e.holds(new), f"{e.name} at v{v}"
             sd = new
     relay = {e.name: e.health()["relay"] for e in fleet}
     buckets = report.buckets
@@ -107,10 +96,10 @@ def test_a_relay_that_tampers_is_refused_by_its_child_and_blamed(
     assert not bad.ok and bad.stage == "send" and "do not match the digests" in bad.error, \
         report.summary()
     assert any("e1 refused bytes relayed by e0" in x for x in events), events
-    assert fleet[0].health()["version"] == 0 and holds(fleet[0], model[1])
+    assert fleet[0].health()["version"] == 0 and fleet[0].holds(model[1])
     for e in fleet[1:]:
         assert report.engines[e.name].ok, report.summary()
-        assert e.health()["version"] == 1 and holds(e, new), e.name
+        assert e.health()["version"] == 1 and e.holds(new), e.name
 
 
 @pytest.mark.parametrize("fleet", [(4, [sys.executable, str(HERE / "stalling_relay.py")])],
@@ -135,13 +124,13 @@ def test_a_relay_that_stalls_costs_its_subtree_nothing(
             assert any(f"{n} fed directly by the trainer (" in x and (
                 "stalled: relay" in x or "the relayed body ended" in x) for x in events), events
         for e in fleet:
-            assert e.health()["version"] == 1 and holds(e, new), e.name
+            assert e.health()["version"] == 1 and e.holds(new), e.name
         newer = perturb(new, 2)                     # e0 stalls once: the next push is all relay
         report = sync.push(newer, version=2)
         assert report.ok and report.verified, report.summary()
         assert sync.transport.relay_events == [], sync.transport.relay_events
         for e in fleet:
-            assert e.health()["version"] == 2 and holds(e, newer), e.name
+            assert e.health()["version"] == 2 and e.holds(newer), e.name
 
 
 @pytest.mark.parametrize("fleet", [(6, None)], indirect=True)
@@ -178,10 +167,10 @@ def test_a_relay_killed_at_random_moments_costs_no_survivor_a_mixed_version(
                 o = report.engines[e.name]
                 v = e.health()["version"]
                 if o.ok:
-                    assert v == version and holds(e, new), f"trial {trial}: {e.name}"
+                    assert v == version and e.holds(new), f"trial {trial}: {e.name}"
                     held[e.name] = new
                 else:
-                    assert o.error and v < version and holds(e, held[e.name]), \
+                    assert o.error and v < version and e.holds(held[e.name]), \
                         f"trial {trial}: {e.name}: {o}"
             victim.start(timeout=120)                   # back at version 0, its first weights
             assert victim.health()["version"] == 0

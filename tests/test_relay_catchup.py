@@ -17,7 +17,7 @@ import torch
 from weightsync import WeightSync
 from weightsync.plugins import load_components
 from weightsync.testing import EngineProcess
-from weightsync.testing.engines import start_all
+from weightsync.testing.engines import running
 from weightsync.testing.sample import sample_state_dict, write_weights_only_model
 
 HERE = Path(__file__).resolve().parent
@@ -54,14 +54,6 @@ def step(sd: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def bit_exact(e: EngineProcess, sd: dict[str, torch.Tensor]) -> bool:
-    got = e.weights()
-    return set(got) >= set(sd) and all(
-        got[n].dtype == t.dtype and got[n].shape == t.shape
-        and torch.equal(got[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
-        for n, t in sd.items())
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     sd = sample_state_dict(scale=2)
@@ -74,15 +66,9 @@ def fleet(model: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, request: 
     """Four engines; e3 (the chain's last member once e1 is behind) runs `request.param`'s
     bad-peer mode when one is given."""
     mode = getattr(request, "param", None)
-    program = [sys.executable, str(HERE / "bad_peer.py"), mode] if mode else None
-    engines = [EngineProcess(model[0], name=f"e{i}", log=tmp_path / f"e{i}.log",
-                             program=program if i == 3 else None) for i in range(4)]
-    start_all(engines, timeout=120)
-    try:
+    programs = {3: [sys.executable, str(HERE / "bad_peer.py"), mode]} if mode else None
+    with running(model[0], tmp_path, 4, programs) as engines:
         yield engines
-    finally:
-        for e in engines:
-            e.stop()
 
 
 def push_two_then_restart(sync: WeightSync, fleet: list[EngineProcess],
@@ -110,7 +96,7 @@ def check_next_push_takes_everyone_in_the_main_round(
     for e in fleet:
         o = report.engines[e.name]
         assert not o.caught_up and o.peer is None and o.peer_error is None, o
-        assert e.health()["version"] == 4 and bit_exact(e, sd), e.name
+        assert e.health()["version"] == 4 and e.holds(sd), e.name
     assert fleet[1].health()["relay"]["received"] == relayed_before + report.buckets
 
 
@@ -134,7 +120,7 @@ def test_a_restarted_member_is_caught_up_by_the_chains_last_member(
         assert health["e3"]["peer"]["served_buckets"] > 0, health["e3"]
         assert health["e0"]["peer"]["served_buckets"] == health["e2"]["peer"]["served_buckets"] == 0
         for e in fleet:
-            assert health[e.name]["version"] == 3 and bit_exact(e, sd), e.name
+            assert health[e.name]["version"] == 3 and e.holds(sd), e.name
         check_next_push_takes_everyone_in_the_main_round(sync, fleet, sd)
 
 
@@ -159,7 +145,7 @@ def test_a_peer_that_refuses_or_lies_leaves_the_member_to_the_trainer(
         assert report.wire_bytes > report.logical_bytes, report.summary()  # a whole copy too
         assert fleet[1].health()["peer"]["pulled"] == 0
         for e in fleet:
-            assert e.health()["version"] == 3 and bit_exact(e, sd), e.name
+            assert e.health()["version"] == 3 and e.holds(sd), e.name
         check_next_push_takes_everyone_in_the_main_round(sync, fleet, sd)
 
 
@@ -178,7 +164,7 @@ def test_star_keeps_the_trainers_whole_tensor_round(
         for e in fleet:
             h = e.health()
             assert h["peer"]["served_buckets"] == 0 and h["peer"]["pulled"] == 0, (e.name, h)
-            assert h["version"] == 3 and bit_exact(e, sd), e.name
+            assert h["version"] == 3 and e.holds(sd), e.name
 
 
 def test_joiners_spread_over_peers_leaves_first() -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -125,6 +127,14 @@ class EngineProcess:
         r.raise_for_status()
         return load(r.content)
 
+    def holds(self, sd: dict[str, torch.Tensor]) -> bool:
+        """Whether the engine holds every tensor of `sd` bit for bit (dtype, shape and bytes)."""
+        got = self.weights()
+        return set(got) >= set(sd) and all(
+            got[n].dtype == t.dtype and got[n].shape == t.shape
+            and torch.equal(got[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+            for n, t in sd.items())
+
     def health(self) -> dict:
         return requests.get(self.url + "/health", timeout=5, verify=self.verify).json()
 
@@ -155,3 +165,19 @@ def start_all(engines: list[EngineProcess], timeout: float = 60.0) -> list[Engin
         raise
     return engines
 
+
+
+@contextmanager
+def running(model_dir: str | Path, logs: Path, n: int, programs: dict[int, list[str]] | None = None,
+            timeout: float = 120.0) -> Iterator[list[EngineProcess]]:
+    """`n` engines named e0.. serving `model_dir` (engine i runs `programs[i]` instead of
+    `weightsync serve` where given: a misbehaving engine), started side by side, logs in `logs`,
+    stopped on the way out."""
+    engines = [EngineProcess(model_dir, name=f"e{i}", log=logs / f"e{i}.log",
+                             program=(programs or {}).get(i)) for i in range(n)]
+    start_all(engines, timeout=timeout)
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
