@@ -228,6 +228,11 @@ def test_generation_runs_during_the_transfer_and_pauses_only_for_the_swap(
         def during() -> None:            # once the round is open: generate, watch the pause
             while (h := eng.health())["round"] is None:
                 time.sleep(0.005)
+            # `sync` opens the round (under its lease) first and pauses right after it: watch
+            # for the pause while the round is open (bounded by the push itself)
+            while pause == "sync" and h["paused"] is None and h["round"] is not None:
+                time.sleep(0.005)
+                h = eng.health()
             seen["paused_while_open"] = h["paused"]
             if pause == "swap":
                 seen["out"] = eng.generate(PROMPT, 4)
