@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs, urlparse
 
 from .errors import PayloadError, WeightSyncError
+from .httpbody import BodyStream
 from .httpguard import HeadGuard, HeadReader
 from .keys import is_loopback, resolve_key, warn_if_open  # noqa: F401 - their old home
 
@@ -81,23 +82,6 @@ class Routes:
         return deco
 
 
-class BodyStream:
-    """`read_into(view)` over one request body: reads at most what is left of it, and keeps the
-    handler's count of unread bytes current (so an error mid-body drains or closes)."""
-
-    def __init__(self, handler: "Handler", n: int) -> None:
-        self.handler, self.left = handler, n
-        handler._length = n
-
-    def __call__(self, view: memoryview) -> int:
-        if self.left <= 0:
-            return 0
-        k = self.handler.rfile.readinto(view[: self.left]) or 0
-        self.left -= k
-        self.handler._length = self.left
-        return k
-
-
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.1"  # even a garbage request line gets a status line back
@@ -145,14 +129,14 @@ class Handler(BaseHTTPRequestHandler):
             buf += chunk
         return memoryview(buf)
 
-    def body_reader(self) -> "BodyStream":
+    def body_reader(self, gather: int = 0) -> BodyStream:
         """The request body as a stream (`read_into(view)`), never past its Content-Length;
         what is left unread is drained or the connection closed, as for a refused body."""
         n = getattr(self, "_length", None)
         if n is None:
             n = self.body_length()
         self._length = 0
-        return BodyStream(self, n)
+        return BodyStream(self, n, gather)
 
     def json_body(self) -> Any:
         raw = self.read_body()

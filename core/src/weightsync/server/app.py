@@ -72,6 +72,8 @@ log = logging.getLogger("weightsync.server")
 ROUND_HEADER = "X-Weightsync-Round"
 SHARE_HEADER = "X-Weightsync-Share"
 routes = Routes()
+# payload and relay bodies are read in receives of up to this many bytes (`httpbody.BodyStream`)
+GATHER = 128 << 10
 JSON_CAP = 16 * MiB                     # announce headers list every tensor of a bucket
 
 
@@ -183,7 +185,7 @@ def _payload(h: Any, q: dict) -> Any:
         h.engine._current(_rid(h))        # refuse (409) before reading the body
     # the body is read straight into the round's staging tensors as it arrives, each piece
     # hashed while in cache (`ReceiveSession.apply_stream`); no whole-body buffer
-    read_into = h.body_reader()
+    read_into = h.body_reader(GATHER)
     header, nbytes = read_frame_header(read_into, read_into.left)
     return {"digest": h.engine.apply_stream(_rid(h), header, read_into, nbytes)}
 
@@ -197,7 +199,7 @@ def _expect(h: Any, q: dict) -> Any:
 @routes.add("POST", "/weightsync/relay", auth=False, max_body=lambda: 0)   # replaced per engine
 def _relay(h: Any, q: dict) -> Any:
     from ..receiver.relay import RELAY_HEADER, Tampered
-    read_into = h.body_reader()
+    read_into = h.body_reader(GATHER)
 
     def cancel() -> None:                 # unblocks a read from a parent that stalled
         try:
