@@ -331,3 +331,38 @@ def test_a_chain_of_vllm_servers_passes_each_bucket_on(live: Live, live_b: VllmS
     assert after != before and live_b.complete(PROMPT, 16)["output_ids"] == after
     assert b.health().version == live.version() == 1
     live.reset()
+
+
+def test_a_delta_rides_the_vllm_chain_as_it_is(live: Live, live_b: VllmServer) -> None:
+    """`shape: chain` with the delta encoding: each delta bucket is offered once and passed on
+    as it was sent, checked piece by piece, and each server's worker decodes it against its own
+    base. The second server takes every byte from the first; both end on the same weights."""
+    b = VllmAdapter(VllmOptions(**live_b.spec()["options"]), EngineSpec(**live_b.spec()))
+    live.reset()
+    b.load_from_disk(str(live.model_dir), 0, allow_older=True)     # both at the checkpoint, v0
+    before = live.greedy()
+    counts = [_relayed(s) for s in (live.server, live_b)]
+    new = _perturbed(live.original, 6)
+    cfg = {"adapter": "vllm", "engines": [live.server.spec(), live_b.spec()],
+           "encoding": {"kind": "delta"},
+           "transport": {"kind": "http", "options": {"shape": "chain", "piece_bytes": 65536}},
+           "exporter": {"kind": "torch", "options": {"bucket_bytes": "1MiB"}},
+           "sync": {"progress": "off"}}
+    with WeightSync.from_config(cfg) as sync:
+        first = sync.push(new, version=1)                # no base yet: whole tensors
+        name = next(n for n, t in new.items() if t.dim() == 2)
+        new[name][:8] += 0.5                             # a sparse change
+        second = sync.push(new, version=2)
+        for r in (first, second):
+            assert r.ok and r.verified, r.summary()
+        assert second.wire_bytes < first.wire_bytes / 4, (first.wire_bytes, second.wire_bytes)
+        assert sync.transport.relay_events == []
+        assert sync.transport.trainer_fetches == first.buckets + second.buckets
+    root, child = ({k: a[k] - c[k] for k in ("buckets", "from_parent", "from_trainer")}
+                   for a, c in zip([_relayed(s) for s in (live.server, live_b)], counts))
+    assert root["buckets"] == child["buckets"] == first.buckets + second.buckets, (root, child)
+    assert child["from_parent"] == root["from_parent"] > 0 and child["from_trainer"] == 0
+    after = live.greedy()
+    assert after != before and live_b.complete(PROMPT, 16)["output_ids"] == after
+    assert b.health().version == live.version() == 2
+    live.reset()
