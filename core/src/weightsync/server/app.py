@@ -72,7 +72,8 @@ log = logging.getLogger("weightsync.server")
 ROUND_HEADER = "X-Weightsync-Round"
 SHARE_HEADER = "X-Weightsync-Share"
 routes = Routes()
-# payload and relay bodies are read in receives of up to this many bytes (`httpbody.BodyStream`)
+# a receive of a payload or relay body waits for this many bytes, or what its read still needs
+# (`httpbody.BodyStream`: a member on a paced link is woken per 128 KiB, not per few segments)
 GATHER = 128 << 10
 JSON_CAP = 16 * MiB                     # announce headers list every tensor of a bucket
 
