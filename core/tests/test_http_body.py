@@ -97,4 +97,6 @@ def test_a_body_that_trickles_in_is_read_in_gathered_receives(server: Any) -> No
         got = _post(conn, body, piece, 1448, pace=50e-6)
     assert got["sha256"] == hashlib.sha256(body).hexdigest()
     segments, pieces = len(body) // 1448, len(body) // piece
-    assert got["sleeps"] <= 16 * pieces < segments // 10, got
+    # about 5 per piece here; the sender shares this process's GIL, whose waits count too
+    # (a reader woken per segment sleeps about 180 times per piece)
+    assert got["sleeps"] <= min(32 * pieces, segments // 5), got
