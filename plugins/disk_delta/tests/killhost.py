@@ -5,7 +5,7 @@ SIGKILL from outside at a chosen moment.
 Protocol (JSON lines): a request on stdin
     {"root", "local", "log", "target", "fsync", "at", "nth", "delay"}
 runs `Agent(root, local).sync_local(target)` in a child. `at` names a step of the agent
-(see POINTS); when the child enters it for the `nth` time it tells this server (one byte on a
+(see POINTS; `STEP:after`: once that call returned); when the child enters it for the `nth` time it tells this server (one byte on a
 pipe), and the server sends SIGKILL `delay` seconds later (delay 0: the child waits at that
 step to be killed there). The reply on stdout: {"killed": bool, "code": exit code or None}."""
 
@@ -36,24 +36,33 @@ POINTS = {
 
 
 def _arm(at: str, nth: int, tell: int, wait: bool) -> None:
-    """Wrap step `at` so its nth call tells the server (and waits to be killed when `wait`)."""
+    """Wrap step `at` so its nth call tells the server (and waits to be killed when `wait`);
+    `STEP:after` tells once that call has returned (the step done, what follows not begun)."""
     from weightsync_disk_delta import journal, local
     owners: dict[str, Any] = {"journal": journal, "local": local,
                               "LocalCheckpoint": local.LocalCheckpoint, "Build": local.Build}
-    spec = POINTS[at]
+    after = at.endswith(":after")
+    spec = POINTS[at.removesuffix(":after")]
     if spec is None:
         return
     owner, name = owners[spec[0]], spec[1]
     real: Callable[..., Any] = getattr(owner, name)
     calls = [0]
 
+    def reached() -> None:
+        os.write(tell, b"!")
+        if wait:
+            time.sleep(600)                   # killed here
+
     def step(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        if calls[0] == nth:
-            os.write(tell, b"!")
-            if wait:
-                time.sleep(600)               # killed here
-        return real(*args, **kwargs)
+        mine = calls[0] == nth
+        if mine and not after:
+            reached()
+        out = real(*args, **kwargs)
+        if mine and after:
+            reached()
+        return out
     setattr(owner, name, step)
 
 
