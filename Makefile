@@ -9,8 +9,7 @@ STEPS   ?= 40
 ARGS    ?=
 PYTEST_ARGS ?=
 # the suite runs on JOBS pytest-xdist workers (JOBS=1: one process); conftest.py keeps the tests
-# that must not overlap each other on one worker (Ray clusters; live vLLM servers with the lease
-# and kill timings)
+# that must not overlap (Ray clusters, live vLLM servers, lease and kill timings) on one worker
 JOBS    ?= 2
 XDIST   := $(if $(filter 0 1,$(JOBS)),,-n $(JOBS) --dist loadgroup)
 # pytest exits 5 when it collected no test (a marker or path that matches nothing): not a failure

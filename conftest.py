@@ -3,12 +3,9 @@ on one of the workers; the tests of one group below run one after another on the
 they never overlap each other (and share their session fixtures). Without xdist the marks do
 nothing.
 
-- `serial`: what must not overlap each other: the live vLLM servers (one or two at a time, each
-  several GiB), and the tests whose leases, deadlines and kills are timed against another process
-  (fleet, protocol, shm and disk_delta crash tests);
-- `ray`: the Ray clusters (three raylets each, one cluster at a time). They may run beside
-  `serial`: every wait in either group is bounded on the state it waits for, not on a time, and
-  the two were the suite's long pole when they shared one worker (the other worker idled);
+- `serial`: what must not overlap: the Ray clusters (three raylets each), the live vLLM servers,
+  and the tests whose leases, deadlines and kills are timed against another process (fleet,
+  protocol, shm and disk_delta crash tests);
 - `fresh-env`: the tests that build wheels and fresh virtual environments once per session
   (packaging, tutorial), which would otherwise be built once per worker."""
 
@@ -20,10 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent
 GROUPS = {
-    "serial": ["plugins/vllm/tests/", "tests/test_fleet.py", "tests/test_fleet_registry.py",
-               "tests/test_protocol.py", "tests/test_catch_up.py", "core/tests/test_transport_shm.py",
+    "serial": ["core/tests/on_ray/", "plugins/disk_delta/tests/on_ray/", "plugins/vllm/tests/",
+               "tests/test_fleet.py", "tests/test_fleet_registry.py", "tests/test_protocol.py",
+               "tests/test_catch_up.py", "core/tests/test_transport_shm.py",
                "plugins/disk_delta/tests/test_crash.py", "plugins/disk_delta/tests/test_agent_loop.py"],
-    "ray": ["core/tests/on_ray/", "plugins/disk_delta/tests/on_ray/"],
     "fresh-env": ["tests/test_packaging.py", "tests/test_tutorial.py"],
 }
 
