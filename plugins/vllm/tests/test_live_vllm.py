@@ -307,7 +307,7 @@ def test_a_chain_of_vllm_servers_passes_each_bucket_on(live: Live, live_b: VllmS
     """`shape: chain`: the trainer offers each bucket once; the second server's worker fetches
     it from the first one's while the first still receives it, checked piece by piece against
     the trainer's digests; both verify and serve the new weights, and the trainer's copy of each
-    bucket left it once."""
+    bucket left it once. Then a delta rides the same chain as it was sent."""
     b = VllmAdapter(VllmOptions(**live_b.spec()["options"]), EngineSpec(**live_b.spec()))
     live.reset()                                     # both serve the checkpoint at version 0
     before = live.greedy()
@@ -330,10 +330,10 @@ def test_a_chain_of_vllm_servers_passes_each_bucket_on(live: Live, live_b: VllmS
     after = live.greedy()
     assert after != before and live_b.complete(PROMPT, 16)["output_ids"] == after
     assert b.health().version == live.version() == 1
-    live.reset()
+    _delta_through_the_chain(live, live_b)      # the same two servers (each start costs ~40 s)
 
 
-def test_a_delta_rides_the_vllm_chain_as_it_is(live: Live, live_b: VllmServer) -> None:
+def _delta_through_the_chain(live: Live, live_b: VllmServer) -> None:
     """`shape: chain` with the delta encoding: each delta bucket is offered once and passed on
     as it was sent, checked piece by piece, and each server's worker decodes it against its own
     base. The second server takes every byte from the first; both end on the same weights."""
