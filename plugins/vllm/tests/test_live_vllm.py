@@ -303,6 +303,21 @@ def _relayed(server: VllmServer) -> dict[str, Any]:
                          timeout=30).json()["results"][0]["relay"]
 
 
+def _chain(live: Live, live_b: VllmServer, **extra: Any) -> dict[str, Any]:
+    """The config of a push through a chain of the two servers, 64 KiB pieces, 1 MiB buckets."""
+    return {"adapter": "vllm", "engines": [live.server.spec(), live_b.spec()],
+            "transport": {"kind": "http", "options": {"shape": "chain", "piece_bytes": 65536}},
+            "exporter": {"kind": "torch", "options": {"bucket_bytes": "1MiB"}},
+            "sync": {"progress": "off"}, **extra}
+
+
+def _relayed_since(counts: list[dict[str, Any]], live: Live, live_b: VllmServer
+                   ) -> list[dict[str, int]]:
+    """Each server's relay counters (root, child) since `counts` were read."""
+    return [{k: a[k] - c[k] for k in ("buckets", "from_parent", "from_trainer")}
+            for a, c in zip([_relayed(s) for s in (live.server, live_b)], counts)]
+
+
 def test_a_chain_of_vllm_servers_passes_each_bucket_on(live: Live, live_b: VllmServer) -> None:
     """`shape: chain`: the trainer offers each bucket once; the second server's worker fetches
     it from the first one's while the first still receives it, checked piece by piece against
@@ -314,41 +329,30 @@ def test_a_chain_of_vllm_servers_passes_each_bucket_on(live: Live, live_b: VllmS
     assert live_b.complete(PROMPT, 16)["output_ids"] == before
     counts = [_relayed(s) for s in (live.server, live_b)]
     new = _perturbed(live.original, 5)
-    cfg = {"adapter": "vllm", "engines": [live.server.spec(), live_b.spec()],
-           "transport": {"kind": "http", "options": {"shape": "chain", "piece_bytes": 65536}},
-           "exporter": {"kind": "torch", "options": {"bucket_bytes": "1MiB"}},
-           "sync": {"progress": "off"}}
-    with WeightSync.from_config(cfg) as sync:
+    with WeightSync.from_config(_chain(live, live_b)) as sync:
         report = sync.push(new, version=1)
         assert report.ok and report.verified, report.summary()
         assert sync.transport.relay_events == []
         assert sync.transport.trainer_fetches == report.buckets      # the root's copy only
-    root, child = ({k: a[k] - c[k] for k in ("buckets", "from_parent", "from_trainer")}
-                   for a, c in zip([_relayed(s) for s in (live.server, live_b)], counts))
+    root, child = _relayed_since(counts, live, live_b)
     assert root["buckets"] == child["buckets"] == report.buckets, (root, child)
     assert child["from_parent"] == root["from_parent"] > 0 and child["from_trainer"] == 0
     after = live.greedy()
     assert after != before and live_b.complete(PROMPT, 16)["output_ids"] == after
     assert b.health().version == live.version() == 1
-    _delta_through_the_chain(live, live_b)      # the same two servers (each start costs ~40 s)
+    _delta_through_the_chain(live, live_b, b)   # the same two servers (each start costs ~40 s)
 
 
-def _delta_through_the_chain(live: Live, live_b: VllmServer) -> None:
+def _delta_through_the_chain(live: Live, live_b: VllmServer, b: VllmAdapter) -> None:
     """`shape: chain` with the delta encoding: each delta bucket is offered once and passed on
     as it was sent, checked piece by piece, and each server's worker decodes it against its own
     base. The second server takes every byte from the first; both end on the same weights."""
-    b = VllmAdapter(VllmOptions(**live_b.spec()["options"]), EngineSpec(**live_b.spec()))
     live.reset()
     b.load_from_disk(str(live.model_dir), 0, allow_older=True)     # both at the checkpoint, v0
     before = live.greedy()
     counts = [_relayed(s) for s in (live.server, live_b)]
     new = _perturbed(live.original, 6)
-    cfg = {"adapter": "vllm", "engines": [live.server.spec(), live_b.spec()],
-           "encoding": {"kind": "delta"},
-           "transport": {"kind": "http", "options": {"shape": "chain", "piece_bytes": 65536}},
-           "exporter": {"kind": "torch", "options": {"bucket_bytes": "1MiB"}},
-           "sync": {"progress": "off"}}
-    with WeightSync.from_config(cfg) as sync:
+    with WeightSync.from_config(_chain(live, live_b, encoding={"kind": "delta"})) as sync:
         first = sync.push(new, version=1)                # no base yet: whole tensors
         name = next(n for n, t in new.items() if t.dim() == 2)
         new[name][:8] += 0.5                             # a sparse change
@@ -358,8 +362,7 @@ def _delta_through_the_chain(live: Live, live_b: VllmServer) -> None:
         assert second.wire_bytes < first.wire_bytes / 4, (first.wire_bytes, second.wire_bytes)
         assert sync.transport.relay_events == []
         assert sync.transport.trainer_fetches == first.buckets + second.buckets
-    root, child = ({k: a[k] - c[k] for k in ("buckets", "from_parent", "from_trainer")}
-                   for a, c in zip([_relayed(s) for s in (live.server, live_b)], counts))
+    root, child = _relayed_since(counts, live, live_b)
     assert root["buckets"] == child["buckets"] == first.buckets + second.buckets, (root, child)
     assert child["from_parent"] == root["from_parent"] > 0 and child["from_trainer"] == 0
     after = live.greedy()
