@@ -79,7 +79,9 @@ def test_dtype_mismatch_suggests_cast(engine):
 
 class FlippingRaw(RawEncoding):
     """Corrupts one byte after the digest is taken: a payload damaged in transit. Engines are
-    told to decode with plain `raw`."""
+    told to decode with plain `raw`. The byte is flipped in place: the body is the transport's
+    send buffer, and a copy would leave that buffer taken (the producer then waited for it
+    until the payload timeout, 300 s, whenever it came round the ring before the push ended)."""
     name = "flipping_raw"
 
     @classmethod
@@ -89,7 +91,6 @@ class FlippingRaw(RawEncoding):
     def encode(self, bucket, alloc=None):
         p = super().encode(bucket, alloc)
         if p.index == 1:
-            p.body = p.body.clone()
             p.body[-3] ^= 0x10
         return p
 

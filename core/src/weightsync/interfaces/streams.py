@@ -35,7 +35,10 @@ class Encoding(Component):
 
     @abc.abstractmethod
     def encode(self, bucket: Bucket, alloc: Alloc | None = None) -> Payload:
-        """`alloc(nbytes)`, when given, returns the buffer to write the body into."""
+        """`alloc(nbytes)`, when given, returns the buffer to write the body into. The body
+        must then be that buffer (or a view of it): the transport frees a buffer when the
+        payload in it is answered or discarded, so one taken and not shipped stays held until
+        the next sync opens, and the export waits for it."""
 
     @abc.abstractmethod
     def decode(self, payload: Payload,
