@@ -58,13 +58,25 @@ def unit_of(nodeid: str, root: Path = ROOT,
 
 def make_scheduler(config: pytest.Config, log: Any, root: Path = ROOT,
                    groups: Mapping[str, Sequence[str]] = GROUPS) -> Any:
-    """xdist's scope scheduling with `unit_of` as the scope. It hands out the units with the most
-    tests first (the serial group) and each unit whole to one worker."""
+    """xdist's scope scheduling with `unit_of` as the scope: each unit goes whole to one worker.
+    The groups go out first (the serial group is the longest unit, and a long unit handed out
+    last leaves the other worker idle at the end), then modules by their number of tests."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Units(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid, root, groups)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:        # the queue is complete before the first unit goes out
+                self.ordered = True
+                units = sorted(self.workqueue.items(),
+                               key=lambda kv: (kv[0] not in groups, -len(kv[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
 
     return Units(config, log)
 
