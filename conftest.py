@@ -8,7 +8,7 @@ tags a test's node id with its group, and pytest 9.2 no longer lets it change th
 suite runs test by test on both workers: the groups are not kept together, and a module's
 fixtures may start once on each worker. Handing xdist its units from
 `pytest_xdist_make_scheduler` fixes that. It is not in yet: under load, with the groups really
-kept, a fresh Ray cluster's first actors timed out at the session's start (see CHANGELOG).
+kept, the Ray tests failed at the session's start (see CHANGELOG).
 
 - `serial`: what must not overlap: the Ray clusters (three raylets each), the live vLLM servers,
   and the tests whose leases, deadlines and kills are timed against another process (fleet,
