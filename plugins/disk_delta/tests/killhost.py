@@ -7,7 +7,8 @@ Protocol (JSON lines): a request on stdin
 runs `Agent(root, local).sync_local(target)` in a child. `at` names a step of the agent
 (see POINTS; `STEP:after`: once that call returned); when the child enters it for the `nth`
 time it tells this server (one byte on a pipe), and the server sends SIGKILL `delay` seconds
-later (delay 0: the child waits at that step to be killed there). The reply on stdout: {"killed": bool, "code": exit code or None}."""
+later (delay 0: the child waits at that step to be killed there). The reply on stdout:
+{"killed": bool, "code": exit code or None}."""
 
 from __future__ import annotations
 
