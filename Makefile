@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # the suite runs on JOBS pytest-xdist workers (JOBS=1: one process); conftest.py keeps the tests
 # that must not overlap (Ray clusters, live vLLM servers, lease and kill timings) on one worker
 JOBS    ?= 2
-XDIST   := $(if $(filter 0 1,$(JOBS)),,-n $(JOBS) --dist loadgroup)
+XDIST   := $(if $(filter 0 1,$(JOBS)),,-n $(JOBS) --dist loadscope)
 # pytest exits 5 when it collected no test (a marker or path that matches nothing): not a failure
 # for a narrowed run; `make test` without PYTEST_ARGS must collect tests (CI's run)
 NO5     := || [ $$? -eq 5 ]

@@ -1,24 +1,28 @@
-"""How the suite runs in parallel (`make test`: pytest-xdist, `--dist loadgroup`). Every test runs
-on one of the workers; the groups below are meant to run one after another on one worker, so
-they never overlap each other (and share their session fixtures). Without xdist the marks do
-nothing.
+"""How the suite runs in parallel (`make test`: pytest-xdist on two workers). The controller
+hands out units of work, and each unit runs whole, in order, on one worker:
 
-Known gap: with pytest 9.2 and pytest-xdist 3.8, `--dist loadgroup` ignores these marks. xdist
-tags a test's node id with its group, and pytest 9.2 no longer lets it change the id. So the
-suite runs test by test on both workers: the groups are not kept together, and a module's
-fixtures may start once on each worker. Handing xdist its units from
-`pytest_xdist_make_scheduler` fixes that. It is not in yet: under load, with the groups really
-kept, the Ray tests failed at the session's start (see CHANGELOG).
+- a group below is one unit: its tests run one after another and never overlap each other;
+- every other test module is one unit, so its module-scoped fixtures (engine processes, live
+  servers) start once, not once on each worker that happens to get one of its tests.
 
+Groups:
 - `serial`: what must not overlap: the Ray clusters (three raylets each), the live vLLM servers,
   and the tests whose leases, deadlines and kills are timed against another process (fleet,
   protocol, shm and disk_delta crash tests);
 - `fresh-env`: the tests that build wheels and fresh virtual environments once per session
-  (packaging, tutorial), which would otherwise be built once per worker."""
+  (packaging, tutorial).
+
+The units come from `pytest_xdist_make_scheduler` below, not from `xdist_group` marks: with
+pytest 9.2 and pytest-xdist 3.8, `--dist loadgroup` ignores the marks (xdist tags a test's
+node id with its group, which pytest 9.2 no longer lets it change), and the suite then ran
+test by test on both workers with no group kept together. Without xdist this file does
+nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,20 +36,51 @@ GROUPS = {
 }
 
 
-def group_of(path: Path) -> str | None:
-    """The xdist group of a test file, by its path in the repository (None: any worker)."""
+def group_of(path: Path, root: Path = ROOT,
+             groups: Mapping[str, Sequence[str]] = GROUPS) -> str | None:
+    """The group of a test file, by its path under `root` (None: in no group)."""
     try:
-        rel = path.resolve().relative_to(ROOT).as_posix()
+        rel = path.resolve().relative_to(root).as_posix()
     except ValueError:
         return None
-    for group, prefixes in GROUPS.items():
+    for group, prefixes in groups.items():
         if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in prefixes):
             return group
     return None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        group = group_of(Path(item.path))
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+def unit_of(nodeid: str, root: Path = ROOT,
+            groups: Mapping[str, Sequence[str]] = GROUPS) -> str:
+    """The unit of work of a test: its group, else its module (node ids start with the path)."""
+    path = nodeid.split("::", 1)[0]
+    return group_of(root / path, root, groups) or path
+
+
+def make_scheduler(config: pytest.Config, log: Any, root: Path = ROOT,
+                   groups: Mapping[str, Sequence[str]] = GROUPS) -> Any:
+    """xdist's scope scheduling with `unit_of` as the scope: each unit goes whole to one worker.
+    The groups go out first (the serial group is the longest unit, and a long unit handed out
+    last leaves the other worker idle at the end), then modules by their number of tests."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid, root, groups)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:        # the queue is complete before the first unit goes out
+                self.ordered = True
+                units = sorted(self.workqueue.items(),
+                               key=lambda kv: (kv[0] not in groups, -len(kv[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
+
+    return Units(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return make_scheduler(config, log)

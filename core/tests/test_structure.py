@@ -175,8 +175,8 @@ def test_no_source_module_over_400_lines() -> None:
 
 
 def test_parallel_groups_name_real_test_files() -> None:
-    """conftest.py's xdist groups (what must not overlap under `make test`) name paths that
-    exist, so a renamed test module cannot silently leave its group."""
+    """conftest.py's groups (what must not overlap under `make test`) name paths that exist, so
+    a renamed test module cannot silently leave its group."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
     assert spec is not None and spec.loader is not None
@@ -186,3 +186,69 @@ def test_parallel_groups_name_real_test_files() -> None:
     assert not missing, f"conftest.py GROUPS names paths that do not exist: {missing}"
     assert conf.group_of(ROOT / "core/tests/on_ray/test_ray_cluster.py") == "serial"
     assert conf.group_of(ROOT / "core/tests/test_wire.py") is None
+    assert conf.unit_of("plugins/vllm/tests/test_live_moe.py::test_x[a::b]") == "serial"
+    assert conf.unit_of("core/tests/test_wire.py::TestA::test_b[1]") == "core/tests/test_wire.py"
+
+
+_UNIT_MODULE = """
+import os, time
+import pytest
+
+@pytest.fixture(scope="module")
+def server():
+    with open(os.environ["UNITS_LOG"], "a") as f:
+        f.write(f"setup {__name__} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+    yield
+
+@pytest.mark.parametrize("i", range(N))
+def test_one(server, i):
+    with open(os.environ["UNITS_LOG"], "a") as f:
+        f.write(f"run {__name__} {os.environ['PYTEST_XDIST_WORKER']} {time.monotonic()}\\n")
+    time.sleep(0.05)
+"""
+
+
+def _run_units(tmp_path: Path, workers: int) -> list[list[str]]:
+    """A pytest session of four modules on `workers` xdist workers with conftest.py's scheduler:
+    test_grp_a and test_grp_b (2 tests each) form a group, test_a_solo and test_b_solo (6 tests
+    each) do not. Returns the modules' log lines: setup MODULE WORKER, run MODULE WORKER TIME."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\nfrom pathlib import Path\n"
+        f"spec = importlib.util.spec_from_file_location('root_conftest', {str(ROOT / 'conftest.py')!r})\n"
+        "conf = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(conf)\n"
+        "def pytest_xdist_make_scheduler(config, log):\n"
+        "    return conf.make_scheduler(config, log, Path(__file__).parent,\n"
+        "                               {'serial': ['test_grp_a.py', 'test_grp_b.py']})\n")
+    for name, n in (("test_grp_a", 2), ("test_grp_b", 2), ("test_a_solo", 6), ("test_b_solo", 6)):
+        (tmp_path / f"{name}.py").write_text(_UNIT_MODULE.replace("range(N)", f"range({n})"))
+    log = tmp_path / "units.log"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(workers), "--dist", "loadscope",
+                        "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "UNITS_LOG": str(log)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [ln.split() for ln in log.read_text().splitlines()]
+
+
+def test_xdist_runs_each_group_and_each_module_whole_on_one_worker(tmp_path: Path) -> None:
+    """The scheduler in conftest.py, under a real two-worker xdist run: a module's fixture starts
+    once, and a group's modules run on one worker one after another. (`--dist loadgroup` with
+    `xdist_group` marks split every module across both workers under pytest 9.2.)"""
+    lines = _run_units(tmp_path, 2)
+    setups = sorted((m, w) for kind, m, w, *_ in lines if kind == "setup")
+    assert [m for m, _ in setups] == ["test_a_solo", "test_b_solo", "test_grp_a", "test_grp_b"], setups
+    workers = {m: {w for kind, mm, w, *_ in lines if mm == m} for m, _ in setups}
+    assert all(len(w) == 1 for w in workers.values()), workers
+    assert workers["test_grp_a"] == workers["test_grp_b"], workers
+    runs = [(m, float(t)) for kind, m, _, t in (ln for ln in lines if ln[0] == "run")]
+    group = [m for m, _ in sorted((x for x in runs if x[0].startswith("test_grp")), key=lambda x: x[1])]
+    assert group in (["test_grp_a"] * 2 + ["test_grp_b"] * 2, ["test_grp_b"] * 2 + ["test_grp_a"] * 2), group
+
+
+def test_xdist_hands_out_the_groups_first(tmp_path: Path) -> None:
+    """On one worker the units run in the order they are handed out: the group (4 tests),
+    although the two other modules have more tests and come first in collection."""
+    order = [m for kind, m, *_ in _run_units(tmp_path, 1) if kind == "run"]
+    assert order[:4] in (["test_grp_a"] * 2 + ["test_grp_b"] * 2, ["test_grp_b"] * 2 + ["test_grp_a"] * 2), order
