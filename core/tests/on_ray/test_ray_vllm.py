@@ -26,7 +26,7 @@ def test_a_vllm_engine_actor_registers_and_is_pushed_to(cluster: dict[str, str],
     from weightsync.ray.launch import EngineLaunch
 
     model = testing.build_model_dir(tmp_path / "model")
-    start_fleet("vllm", NS, lease=10)
+    start_fleet("vllm", NS, lease=10, timeout=180)
     cleanup.append(lambda: stop_fleet("vllm", NS))
     launch = EngineLaunch(model=str(tmp_path / "model"), adapter={"kind": "vllm"}, api_key="vk",
                           args=["--max-model-len", "512", "--kv-cache-memory-bytes",

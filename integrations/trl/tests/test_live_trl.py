@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
-import torch
-from weightsync import ConfigError, PluginError, SyncError
 
-from weightsync_trl import WeightSyncTransfer, use_weightsync
-from weightsync_trl.readback import compare_served
+pytest.importorskip("trl", reason="TRL is not installed here: `make trl-env` installs it into .venv")
+
+import requests  # noqa: E402 - after the skip
+import torch  # noqa: E402
+from weightsync import ConfigError, PluginError, SyncError  # noqa: E402
+from weightsync_trl import WeightSyncTransfer, use_weightsync  # noqa: E402
+from weightsync_trl.readback import compare_served  # noqa: E402
 
 pytestmark = pytest.mark.slow
 # parameters vLLM on CPU keeps in checkpoint layout (it repacks most linear weights into kernel
