@@ -7,8 +7,7 @@ hands out units of work, and each unit runs whole, in order, on one worker:
 
 Groups (each is what must not overlap itself; different groups may run side by side):
 - `cluster`: the Ray clusters (three raylets each) and the tests that build wheels and fresh
-  virtual environments (several pips at once). Together they starved a fresh cluster's first
-  actors: under load its first test took 126 s instead of 35 s;
+  virtual environments (several pips at once): the heaviest start-ups take turns;
 - `vllm`: every test that starts live vLLM servers (the vllm plugin, the TRL integration, the
   elastic-fleet test), one server start at a time;
 - `timing`: the tests whose leases, deadlines and kills are timed against another process
