@@ -9,9 +9,9 @@ STEPS   ?= 40
 ARGS    ?=
 PYTEST_ARGS ?=
 # the suite runs on JOBS pytest-xdist workers (JOBS=1: one process); conftest.py hands them whole
-# modules and keeps each group of tests that must not overlap itself (Ray clusters and fresh
-# venvs, live vLLM servers, lease and kill timings) on one worker, one test at a time
-JOBS    ?= 3
+# modules and keeps the tests that must not overlap (Ray clusters, fresh venvs, live vLLM
+# servers, lease and kill timings) on one worker, one test at a time
+JOBS    ?= 2
 XDIST   := $(if $(filter 0 1,$(JOBS)),,-n $(JOBS) --dist loadscope)
 # pytest exits 5 when it collected no test (a marker or path that matches nothing): not a failure
 # for a narrowed run; `make test` without PYTEST_ARGS must collect tests (CI's run)

@@ -1,17 +1,17 @@
-"""How the suite runs in parallel (`make test`: pytest-xdist, `JOBS` workers). The controller
+"""How the suite runs in parallel (`make test`: pytest-xdist on two workers). The controller
 hands out units of work, and each unit runs whole, in order, on one worker:
 
 - a group below is one unit: its tests run one after another, never two at once;
 - every other test module is one unit, so its module-scoped fixtures (engine processes, live
   servers) start once, not once on each worker that happens to get one of its tests.
 
-Groups (each is what must not overlap itself; different groups may run side by side):
-- `cluster`: the Ray clusters (three raylets each) and the tests that build wheels and fresh
-  virtual environments (several pips at once): the heaviest start-ups take turns;
-- `vllm`: every test that starts live vLLM servers (the vllm plugin, the TRL integration, the
-  elastic-fleet test), one server start at a time;
-- `timing`: the tests whose leases, deadlines and kills are timed against another process
-  (protocol, registry, catch-up, shm and disk_delta crash tests).
+One group, `serial`: what must not overlap itself. The Ray clusters (three raylets each), the
+live vLLM servers (the vllm plugin, the TRL integration, the elastic-fleet test), the tests
+that build wheels and fresh virtual environments (several pips at once), and the tests whose
+leases, deadlines and kills are timed against another process (protocol, registry, catch-up,
+shm and disk_delta crash tests). It is the longest unit (about half the suite's time), so it
+goes out first and the other worker takes every other module meanwhile. (Split into three
+groups on three workers, the suite ran slower under load and a 3 s payload deadline failed.)
 
 The units come from `pytest_xdist_make_scheduler` below, not from `xdist_group` marks: with
 pytest 9.2 and pytest-xdist 3.8, `--dist loadgroup` ignores the marks (xdist tags a test's
@@ -29,12 +29,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent
 GROUPS = {
-    "cluster": ["core/tests/on_ray/", "plugins/disk_delta/tests/on_ray/", "tests/test_packaging.py",
-                "tests/test_tutorial.py"],
-    "vllm": ["plugins/vllm/tests/", "integrations/trl/tests/", "tests/test_fleet.py"],
-    "timing": ["tests/test_fleet_registry.py", "tests/test_protocol.py", "tests/test_catch_up.py",
-               "core/tests/test_transport_shm.py", "plugins/disk_delta/tests/test_crash.py",
-               "plugins/disk_delta/tests/test_agent_loop.py"],
+    "serial": ["core/tests/on_ray/", "plugins/disk_delta/tests/on_ray/", "tests/test_packaging.py",
+               "tests/test_tutorial.py", "plugins/vllm/tests/", "integrations/trl/tests/",
+               "tests/test_fleet.py", "tests/test_fleet_registry.py", "tests/test_protocol.py",
+               "tests/test_catch_up.py", "core/tests/test_transport_shm.py",
+               "plugins/disk_delta/tests/test_crash.py", "plugins/disk_delta/tests/test_agent_loop.py"],
 }
 
 
@@ -62,7 +61,7 @@ def make_scheduler(config: pytest.Config, log: Any, root: Path = ROOT,
                    groups: Mapping[str, Sequence[str]] = GROUPS) -> Any:
     """xdist's scope scheduling with `unit_of` as the scope: each unit goes whole to one worker.
     The groups go out first (they are the longest units, and a long unit handed out last leaves
-    the other workers idle at the end), then modules by their number of tests."""
+    the other worker idle at the end), then modules by their number of tests."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Units(LoadScopeScheduling):
