@@ -29,7 +29,9 @@ def _status_kib(key: str) -> int:
 
 
 class PeakRss:
-    """Peak resident memory of this process above its level at start, in bytes."""
+    """Peak resident memory of this process above its level at start, in bytes. Memory that the
+    allocator serves from blocks it freed earlier but kept resident does not show: call
+    `exact_malloc` first, as the bench does."""
 
     def __init__(self) -> None:
         self.base = 0
