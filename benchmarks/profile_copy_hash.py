@@ -1,6 +1,6 @@
 """Where a verified CPU sync's time goes on this machine, per GiB and per core: one copy, one
 xxh3-128 pass over memory, the two in sequence (what every stage did before issue 17), the
-one-pass copy + digest (`weightsync.hashing.copy_digest`) on each of its paths, and the sender's
+one-pass copy + digest (`weightsync.wire.digests.copy_digest`) on each of its paths, and the sender's
 encode and a receiver's stage built on it. Also the CPU time (core-seconds) every number costs,
 which moves less than wall time on a shared machine.
 
@@ -15,11 +15,11 @@ import time
 import torch
 import xxhash
 
-from weightsync import hashing
-from weightsync.bucket import Bucket
+from weightsync.wire import digests as hashing
+from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
-from weightsync.receiver import stage_digest
-from weightsync.wire import unpack
+from weightsync.receive import stage_digest
+from weightsync.wire.frame import unpack
 
 N = 2**30
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from weightsync.cli import main
-from weightsync.fleet import peer as peer_module
-from weightsync.httpserver import HttpError
+from weightsync.fleets import peer as peer_module
+from weightsync.net.server import HttpError
 from weightsync.server import engine as engine_module
 
 

@@ -1,5 +1,5 @@
-"""A pull-relay member in a process of its own, for the pull relay tests: it runs the code a vLLM
-worker runs (`weightsync.receiver.pull`) without vLLM. It prints its body server's URL, then for
+"""A pull-relay member in a process of its own, for the fetch relay tests: it runs the code a vLLM
+worker runs (`weightsync.transports.http.member_fetch`) without vLLM. It prints its body server's URL, then for
 each JSON line on stdin ({"fetch": ref}) fetches that bucket through the tree and prints
 {"digest": xxh3 of the body it holds, "from_parent", "reason"} (or {"error"}).
 
@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-from weightsync.bodyserver import BodyServer, Live
-from weightsync.hashing import digest_at
-from weightsync.receiver.pull import PullSpec, pull
+from weightsync.net.bodyserver import BodyServer, Live
+from weightsync.wire.digests import digest_at
+from weightsync.transports.http.member_fetch import FetchSpec, fetch_body
 
 _honest_ready = Live.ready
 
@@ -50,7 +50,7 @@ def main() -> None:
         ref = msg["fetch"]
         misbehave(msg.get("misbehave"))
         try:
-            got = pull(ref, PullSpec.parse(ref), server, max_bytes=1 << 30, timeout=60)
+            got = fetch_body(ref, FetchSpec.parse(ref), server, max_bytes=1 << 30, timeout=60)
             out = {"digest": _digest(got.body), "from_parent": got.from_parent,
                    "reason": got.reason}
         except Exception as e:  # noqa: BLE001 - the test reads it

@@ -10,8 +10,7 @@ import sys
 import threading
 
 from weightsync.cli import main
-from weightsync.receiver import relay as relay_module
-
+from weightsync.transports.http import member_relay as relay_module
 _honest = relay_module.Feed.piece
 _stalled = threading.Event()
 

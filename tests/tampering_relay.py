@@ -8,9 +8,7 @@ from __future__ import annotations
 import sys
 
 from weightsync.cli import main
-from weightsync.receiver import relay as relay_module
-
-
+from weightsync.transports.http import member_relay as relay_module
 def tampered_piece(self, a, b):  # noqa: ANN001, ANN201
     out = bytearray(self.body[a:b])
     out[len(out) // 2] ^= 0x01

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 from weightsync import WeightSync
-from weightsync.fleet.client import RegistryClient
+from weightsync.fleets.client import RegistryClient
 from weightsync.plugins import load_components
 from weightsync.rollout import RolloutClient
 from weightsync.testing import EngineProcess

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 from weightsync import WeightSync
-from weightsync.fleet.client import RegistryClient, RegistryError
+from weightsync.fleets.client import RegistryClient, RegistryError
 from weightsync.testing import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.testing.waiting import fleet_member as member
@@ -174,7 +174,7 @@ def test_a_peer_serving_corrupted_bytes_is_caught_and_nothing_bad_is_committed(t
             good = start("z-good")
             hidden = start("bad", register=False)           # behind the corrupting proxy
             proxy = CorruptingProxy(hidden.url)
-            from weightsync.fleet.member import Membership
+            from weightsync.fleets.member import Membership
             keep = Membership(url, KEY, {"name": "a-bad", "url": proxy.url}, lambda: hidden.health()["version"])
             keep.start()
             wait_for(lambda: len(reg.fleet()["members"]) == 2, what="two members")

@@ -13,7 +13,7 @@ import requests
 import torch
 from safetensors.torch import save_file
 
-from weightsync.signing import checkpoint_signature, sign_checkpoint
+from weightsync.wire.signing import checkpoint_signature, sign_checkpoint
 from weightsync.testing import EngineProcess
 from weightsync.testing.engines import start_all
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model

@@ -43,7 +43,7 @@ def test_metrics_file_prometheus_and_one_log_line_per_push(tmp_path: Path,
     assert 'weightsync_stage_seconds_count{stage="total"} 3.0' in text
     assert "weightsync_pause_window_seconds_count 3.0" in text and "weightsync_version 3.0" in text
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO
-            and r.name == "weightsync.pipeline" and r.getMessage().startswith("v")]
+            and r.name == "weightsync.sync.pipeline" and r.getMessage().startswith("v")]
     assert len(info) == 3 and info[0].startswith("v1: ") and "1/1 engines (1 verified)" in info[0]
     assert any(r.levelno == logging.DEBUG and "stages" in r.getMessage() for r in caplog.records)
 

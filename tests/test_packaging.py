@@ -36,7 +36,7 @@ IMPORT_TO_DIST = {"yaml": "pyyaml", "weightsync": "weightsync-core"}
 # imports a distribution may make without declaring them, and why
 UNDECLARED_OK = {
     "weightsync-core": {
-        "triton": "ships with CUDA builds of torch; weightsync.mlh uses torch ops without it",
+        "triton": "ships with CUDA builds of torch; weightsync.wire.mlh uses torch ops without it",
         "peft": "the LoRA exporter imports it only for a model that is already a PEFT model",
     },
     "weightsync-vllm": {

@@ -360,8 +360,8 @@ def test_one_live_round_ids_on_every_call_and_a_name_once_per_round(tmp_path: Pa
         assert eng.health()["round"]["id"] == rid             # a wrong id aborts nothing
         # the same tensor in two buckets of one round is refused
         from weightsync.encodings.raw import RawEncoding
-        from weightsync.bucket import Bucket
-        from weightsync.wire import frame
+        from weightsync.wire.bucket import Bucket
+        from weightsync.wire.frame import frame
         name = "model.norm.weight"
         enc = RawEncoding()
         for index in (0, 1):

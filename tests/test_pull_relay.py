@@ -1,9 +1,9 @@
-"""Pull relays of the `http` transport, for engines that fetch their payload bodies by reference
+"""Fetch relays of the `http` transport, for engines that fetch their payload bodies by reference
 (vLLM's weightsync backend): the trainer offers one copy per bucket on its body server, each
 member fetches from the member above it, checks every piece against the trainer's digests and
 offers it on to the members below while later pieces still arrive. The members here are
 processes of their own running exactly the code a vLLM worker runs
-(`weightsync.receiver.pull`, through tests/pull_member.py), over real HTTP on loopback; the
+(`weightsync.transports.http.member_fetch`, through tests/pull_member.py), over real HTTP on loopback; the
 live vLLM test is in plugins/vllm."""
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from typing import Any
 import pytest
 import torch
 from weightsync.errors import TransportError
-from weightsync.hashing import digest_at
+from weightsync.wire.digests import digest_at
 from weightsync.interfaces import Payload
-from weightsync.transports.pull import PullRelays
+from weightsync.transports.http.fetch import FetchRelays
 
 HERE = Path(__file__).resolve().parent
 PIECE = 64 << 10
 
 
 class Member:
-    """What the trainer's half asks of an engine (the `Adapter` members pull relays use), for a
+    """What the trainer's half asks of an engine (the `Adapter` members fetch relays use), for a
     member process: its body server's URL, and one fetch at a time over its stdin."""
 
     def __init__(self, name: str) -> None:
@@ -110,8 +110,8 @@ def members(pool: list[Member], request: Any) -> list[Member]:
     return pool[:len(request.param)]
 
 
-def relays(degree: int, stall: float = 30.0) -> PullRelays:
-    return PullRelays(degree, PIECE, stall, "127.0.0.1", None, timeout=60)
+def relays(degree: int, stall: float = 30.0) -> FetchRelays:
+    return FetchRelays(degree, PIECE, stall, "127.0.0.1", None, timeout=60)
 
 
 @pytest.mark.parametrize("members,degree", [([None] * 4, 1), ([None] * 6, 2)], indirect=["members"])

@@ -199,7 +199,7 @@ def test_relay_routes_refuse_what_the_trainer_did_not_announce(fleet: list[Engin
     r = requests.post(e.url + "/weightsync/relay", data=b"x" * 64,
                       headers={**hdr, "X-Weightsync-Relay": "u" * 32}, timeout=10)
     assert r.status_code == 400 and "relay token" in r.json()["error"], r.text
-    from weightsync.wire import frame
+    from weightsync.wire.frame import frame
     body = b"".join(bytes(p) for p in frame({"index": 3, "nbytes": 4}, b"abcd"))
     r = requests.post(e.url + "/weightsync/relay", data=body,
                       headers={**hdr, "X-Weightsync-Relay": "t" * 32}, timeout=10)

@@ -171,7 +171,7 @@ def test_joiners_spread_over_peers_leaves_first() -> None:
     """Fewest joiners assigned first; among equals a member that feeds no one in the relay plan,
     then by name."""
     from weightsync.adapters.reference import ReferenceAdapter
-    from weightsync.catchup import pick_peers
+    from weightsync.sync.peer_join import pick_peers
     from weightsync.config import EngineSpec
 
     def adapter(name: str) -> ReferenceAdapter:

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from weightsync import WeightSync
-from weightsync.report import EngineOutcome, SyncReport
+from weightsync.sync.report import EngineOutcome, SyncReport
 from weightsync.testing import EngineProcess
 from weightsync.testing.engines import free_port
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model

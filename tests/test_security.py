@@ -12,11 +12,11 @@ import requests
 import torch
 
 from weightsync import SyncError, WeightSync
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.testing import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
-from weightsync.wire import frame
+from weightsync.wire.frame import frame
 
 KEY = "hmac-key-shared-by-trainer-and-engines"
 

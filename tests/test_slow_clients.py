@@ -19,7 +19,7 @@ from typing import Any, Callable
 import requests
 
 from weightsync import WeightSync
-from weightsync.bodyserver import BodyServer
+from weightsync.net.bodyserver import BodyServer
 from weightsync.testing import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
@@ -171,8 +171,8 @@ def test_the_registry_sheds_slow_and_hostile_clients(tmp_path: Path) -> None:
 
 def test_the_body_server_sheds_slow_clients() -> None:
     import torch
-    from weightsync.bodyserver import fetch
-    from weightsync.receiver import read_exact
+    from weightsync.net.bodyserver import fetch
+    from weightsync.receive import read_exact
     bs = BodyServer()
     try:
         data = torch.arange(4096, dtype=torch.uint8)

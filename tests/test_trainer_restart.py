@@ -10,7 +10,7 @@ from pathlib import Path
 import requests
 import torch
 from weightsync import WeightSync
-from weightsync.fleet.client import RegistryClient
+from weightsync.fleets.client import RegistryClient
 from weightsync.testing import EngineProcess
 from weightsync.testing.engines import free_port
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model

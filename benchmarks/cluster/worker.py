@@ -155,8 +155,8 @@ def link_costs(spec: dict[str, Any], flat: torch.Tensor, repeat: int) -> dict[st
 
 def stage_cost(sd: dict[str, torch.Tensor]) -> float:
     """Seconds per byte of one copy + xxh3 pass on one core (what a member's stage does)."""
-    from weightsync.bucket import tensor_header
-    from weightsync.hashing import copy_digest, warm
+    from weightsync.wire.bucket import tensor_header
+    from weightsync.wire.digests import copy_digest, warm
     warm()
     dst = {k: torch.empty_like(t) for k, t in sd.items()}
     best = float("inf")

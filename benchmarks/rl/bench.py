@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from weightsync import WeightSync
-from weightsync.demo import LR, build_demo_model
+from weightsync.rl.demo import LR, build_demo_model
 from weightsync.rl import CountingTask, RLLoop
 from weightsync.rollout import RolloutClient, SamplingParams
 from weightsync.testing import EngineProcess

@@ -132,7 +132,7 @@ def test_perturbed_changes_about_the_density_asked(tmp_path: Path) -> None:
 
 
 def test_verify_off_instrument_copies_without_hashing_and_restores() -> None:
-    from weightsync import hashing
+    from weightsync.wire import digests as hashing
     from weightsync.bench.workers import UNHASHED, unhashed
     src = torch.arange(1000, dtype=torch.int32)
     dst = torch.zeros_like(src)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from weightsync import ConfigError, PluginError, WeightSync
-from weightsync.assembly import resolve
+from weightsync.sync.assembly import resolve
 from weightsync.config import SyncConfig, parse_bytes
 from weightsync.interfaces import Transport
 

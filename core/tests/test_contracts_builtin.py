@@ -2,19 +2,18 @@
 
 from pathlib import Path
 
-import torch
 
 from weightsync.adapters.reference import ReferenceAdapter
 from weightsync.config import EngineSpec
 from weightsync.encodings.cast import CastEncoding
 from weightsync.encodings.raw import RawEncoding
 from weightsync.exporters.torch import TorchExporter
-from weightsync.fleet.peer import HttpPeerSource, new_token
+from weightsync.fleets.peer import HttpPeerSource, new_token
 from weightsync.testing import (AdapterContract, EncodingContract, EngineProcess, ExporterContract,
                                 PeerSourceContract, ServingPeer, TransportContract,
                                 write_weights_only_model)
 from weightsync.testing.sample import perturb, sample_state_dict
-from weightsync.transports.http import HttpTransport
+from weightsync.transports.http.sending import HttpTransport
 
 
 class TestTorchExporter(ExporterContract):

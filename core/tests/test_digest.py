@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from weightsync.bucket import combine_digests, digest_algo, digest_tensors, tensor_digest
-from weightsync.parallel import map_threads
+from weightsync.wire.bucket import combine_digests, digest_algo, digest_tensors, tensor_digest
+from weightsync.wire.pool import map_threads
 
 
 def _named(n: int = 6) -> list[tuple[str, torch.Tensor]]:

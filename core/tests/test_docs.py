@@ -211,7 +211,7 @@ def test_transport_options_tables_match_options_models(everything, transport: st
 
 
 def test_transport_config_snippets_resolve(everything) -> None:
-    from weightsync.assembly import resolve
+    from weightsync.sync.assembly import resolve
     from weightsync.config import SyncConfig
     import yaml
     blocks = re.findall(r"<!-- check-config -->\n```yaml\n(.*?)```", TRANSPORTS.read_text(), re.S)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync.exporters.torch import TorchExporter, split_fused
-from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
+from weightsync.testing import EngineProcess, write_weights_only_model
 
 
 def export(model, bucket_bytes=1024, **kw):

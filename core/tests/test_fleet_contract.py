@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from weightsync import WeightSync
-from weightsync.fleet.client import RegistryClient
-from weightsync.fleet.static import StaticFleet
+from weightsync.fleets.client import RegistryClient
+from weightsync.fleets.static import StaticFleet
 from weightsync.testing import EngineProcess, FleetContract
 
 KEY = "contract-fleet-key-0123"
@@ -39,7 +39,7 @@ def test_static_fleet_is_the_engines_list() -> None:
 def test_a_member_marked_behind_is_live_again_once_it_holds_the_fleets_version() -> None:
     """A catch-up that lost a race with a push marks its member `behind` although the push
     brought it to the fleet's version; nothing else would ever make it `live` again."""
-    from weightsync.fleet.roster import Registration, Roster
+    from weightsync.fleets.roster import Registration, Roster
     roster = Roster(lease=30.0)
     roster.register(Registration(name="a", url="http://127.0.0.1:1", version=0))
     roster.register(Registration(name="b", url="http://127.0.0.1:2", version=0))

@@ -15,12 +15,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import WeightSyncError
 from weightsync.plugins import load_components
-from weightsync.receiver import DictStore, ReceiveSession
-from weightsync.wire import frame, unframe
+from weightsync.receive import DictStore, ReceiveSession
+from weightsync.wire.frame import frame, unframe
 
 N = int(os.environ.get("WEIGHTSYNC_FUZZ_EXAMPLES", "1500"))
 REFUSALS = (WeightSyncError, ValueError, KeyError, TypeError)

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from weightsync import WeightSync
-from weightsync.bucket import Bucket, digest_tensors
+from weightsync.wire.bucket import Bucket, digest_tensors
 from weightsync.encodings.cast import CastEncoding
 from weightsync.exporters.torch import TorchExporter
-from weightsync.mlh import _triton, chunk_sums
+from weightsync.wire.mlh import _triton, chunk_sums
 from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
 from weightsync.testing.engines import start_all
 from weightsync.testing.sample import perturb
-from weightsync.wire import unpack
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

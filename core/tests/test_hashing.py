@@ -1,4 +1,4 @@
-"""The one-pass copy + digest (`weightsync.hashing`): on every path (numba's compiled loop, the
+"""The one-pass copy + digest (`weightsync.wire.digests`): on every path (numba's compiled loop, the
 Python loop over the C functions, torch's copy then the xxhash package) the digest is xxh3-128
 of the header and the bytes written, bit for bit, and the copy is exact."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 import xxhash
 
-from weightsync import hashing
-from weightsync.bucket import Bucket, digest_tensors, tensor_digest, tensor_header
+from weightsync.wire import digests as hashing
+from weightsync.wire.bucket import Bucket, digest_tensors, tensor_digest, tensor_header
 from weightsync.encodings.raw import RawEncoding
-from weightsync.receiver import stage_digest
-from weightsync.wire import pack, pack_digest, unpack
+from weightsync.receive import stage_digest
+from weightsync.wire.frame import pack, pack_digest, unpack
 
 PATHS = ["numba", "ctypes", "two-pass"]
 

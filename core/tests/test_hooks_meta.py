@@ -21,7 +21,7 @@ import pytest
 
 from weightsync import hookspecs
 from weightsync.adapters.reference import ReferenceAdapter
-from weightsync.assembly import resolve
+from weightsync.sync.assembly import resolve
 from weightsync.config import SyncConfig
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import ConfigError, PluginError
@@ -29,7 +29,7 @@ from weightsync.exporters.torch import TorchExporter
 from weightsync.hookspecs import hookimpl
 from weightsync.plugins import describe_plugins, load_components, make_plugin_manager
 from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
-from weightsync.transports.http import HttpTransport
+from weightsync.transports.http.sending import HttpTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS_MD = ROOT / "docs" / "hooks.md"
@@ -195,7 +195,7 @@ def test_hook_register_adapters() -> None:
 
 
 def test_hook_register_fleets() -> None:
-    from weightsync.fleet.static import StaticFleet
+    from weightsync.fleets.static import StaticFleet
 
     class Fixed(StaticFleet):
         name = "fixed"
@@ -220,7 +220,7 @@ def test_hook_register_fleets() -> None:
 
 
 def test_hook_register_peer_sources() -> None:
-    from weightsync.fleet.peer import HttpPeerSource
+    from weightsync.fleets.peer import HttpPeerSource
 
     class Other(HttpPeerSource):
         name = "other"
@@ -342,7 +342,7 @@ def test_duplicate_component_name_is_an_error_naming_both_modules() -> None:
         load_components(pm)
     msg = str(err.value)
     assert "transport 'http' is registered by both" in msg
-    assert "weightsync.transports.http.HttpTransport" in msg
+    assert "weightsync.transports.http.sending.HttpTransport" in msg
     assert f"{OtherHttp.__module__}.{OtherHttp.__qualname__}" in msg
     assert "WEIGHTSYNC_PLUGINS" in msg
 
@@ -403,7 +403,7 @@ from weightsync import hookimpl
 
 @hookimpl
 def register_transports(register):
-    from weightsync.transports.http import HttpTransport
+    from weightsync.transports.http.sending import HttpTransport
 
     class MetaGoodTransport(HttpTransport):
         name = "meta-good"

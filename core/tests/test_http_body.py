@@ -14,7 +14,7 @@ import time
 from typing import Any, Iterator
 
 import pytest
-from weightsync.httpserver import Routes, make_server
+from weightsync.net.server import Routes, make_server
 
 GATHER = 64 << 10
 routes = Routes()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from weightsync.errors import EngineError, EngineUnreachable
-from weightsync.httpclient import call, session_for
+from weightsync.net.client import call, session_for
 
 
 class ClosingAfterErrors(ThreadingHTTPServer):

@@ -8,7 +8,7 @@ import pytest
 import requests
 import torch
 
-from weightsync import ConfigError, SyncError, WeightSync, hookimpl
+from weightsync import SyncError, WeightSync, hookimpl
 from weightsync.encodings.raw import RawEncoding
 from weightsync.plugins import load_components, make_plugin_manager
 from weightsync.testing import EngineProcess, free_port, sample_state_dict, write_weights_only_model

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.sampling import SamplingParams
+from weightsync.interfaces.sampling import SamplingParams
 from weightsync.server.sampler import Aborted, Sampler, make_rows, pick, score
 from weightsync.testing.models import build_tiny_model, greedy
 

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.receiver import staging as rxmod
-from weightsync.bucket import Bucket
+from weightsync.receive import staging as rxmod
+from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError
-from weightsync.receiver import DictStore, ReceiveSession
+from weightsync.receive import DictStore, ReceiveSession
 from weightsync.transports.shm import ShmReceiver, ShmTransport
 
 

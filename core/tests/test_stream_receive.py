@@ -1,5 +1,5 @@
-"""Payload bodies read straight into staging (`ReceiveSession.apply_stream`, `receiver.read_staged`)
-and fetched in binary from the sender's body server (`weightsync.bodyserver`): the same staged
+"""Payload bodies read straight into staging (`ReceiveSession.apply_stream`, `receive.read_staged`)
+and fetched in binary from the sender's body server (`weightsync.net.bodyserver`): the same staged
 bytes and digests as the buffered path, every check before any tensor byte is read, and exactly
 the body's bytes consumed even when a payload is refused."""
 
@@ -12,12 +12,12 @@ import pytest
 import requests
 import torch
 
-from weightsync.bodyserver import BodyServer, fetch
-from weightsync.bucket import Bucket, digest_tensors
+from weightsync.net.bodyserver import BodyServer, fetch
+from weightsync.wire.bucket import Bucket, digest_tensors
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError, TransportError
-from weightsync.receiver import BodyReader, DictStore, ReceiveSession, read_exact, read_staged
-from weightsync.wire import frame, read_frame_header
+from weightsync.receive import BodyReader, DictStore, ReceiveSession, read_exact, read_staged
+from weightsync.wire.frame import frame, read_frame_header
 
 
 def _live() -> dict[str, torch.Tensor]:

@@ -4,7 +4,11 @@ no import circle in core or any plugin package, and no source module is over 400
 The import graph counts every import a module makes, at module level or inside a function (a
 lazy import is still a dependency), except those under `if TYPE_CHECKING:` (never run). Relative
 imports are resolved; `from pkg import name` is an edge to `pkg.name` when that is a module, else
-to `pkg`. Importing a submodule is not counted as importing its parent package."""
+to `pkg`. Importing a submodule is also an edge to each package above it (Python runs their
+`__init__` first), except the packages the importing module itself lives in (they run before it
+does). Core's root holds at most 8 modules (package files, CLI, errors, config, hookspecs, the
+plugin system); everything else lives in a folder that is one layer or one component kind, and a
+module that is split becomes a folder, never siblings beside it."""
 
 from __future__ import annotations
 
@@ -90,11 +94,21 @@ def import_graph() -> dict[str, set[str]]:
                 for alias in node.names:
                     sub = f"{full}.{alias.name}"
                     targets.append(sub if sub in known else full)
+            own = _parents(mod) | ({mod} if path.name == "__init__.py" else set())
             for t in targets:
                 hit = _known(t, known)
-                if hit is not None and hit != mod:
-                    graph[mod].add(hit)
+                if hit is None:
+                    continue
+                for target in {hit} | (_parents(hit) & set(known)) - own:
+                    if target != mod:
+                        graph[mod].add(target)
     return graph
+
+
+def _parents(mod: str) -> set[str]:
+    """The packages above a dotted module: `a.b.c` -> {`a`, `a.b`}."""
+    parts = mod.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -152,8 +166,8 @@ def _circle(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
 def test_the_graph_is_read() -> None:
     """The graph sees relative, absolute and lazy imports (else the next test proves nothing)."""
     graph = import_graph()
-    assert "weightsync.assembly" in graph["weightsync.pipeline"]        # from .assembly import ...
-    assert "weightsync.receiver.staging" in graph["weightsync.receiver.session"]   # a package's
+    assert "weightsync.sync.assembly" in graph["weightsync.sync.pipeline"]        # from .assembly import ...
+    assert "weightsync.receive.staging" in graph["weightsync.receive.session"]   # a package's
     assert "weightsync.bench.gpu" in graph["weightsync.bench.harness"]  # lazy, in a method
     assert "weightsync.interfaces" not in graph["weightsync.hookspecs"]  # under TYPE_CHECKING
     assert any(t.startswith("weightsync") for t in graph["weightsync_disk_delta.plugin"])
@@ -164,6 +178,27 @@ def test_the_graph_is_read() -> None:
 def test_no_import_circle() -> None:
     found = cycles(import_graph())
     assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_cores_root_holds_at_most_8_modules() -> None:
+    root = sorted(p.stem for p in (ROOT / "core/src/weightsync").glob("*.py"))
+    assert len(root) <= 8, f"core's root has {len(root)} modules (at most 8): {root}; move the " \
+        "others into the folder of their layer or component kind"
+
+
+def test_a_split_lands_in_a_folder() -> None:
+    """`x.py` beside `x_part.py`, or beside a folder `x/`, is a module split into siblings."""
+    found = []
+    for root in package_roots():
+        for folder in [root, *(d for d in root.rglob("*") if d.is_dir())]:
+            stems = {p.stem for p in folder.glob("*.py")} - {"__init__", "__main__"}
+            dirs = {d.name for d in folder.iterdir() if (d / "__init__.py").exists()}
+            for stem in stems:
+                found += [f"{folder.relative_to(ROOT)}: {stem}.py beside {s}.py" for s in stems
+                          if s.startswith(stem + "_")]
+                if stem in dirs:
+                    found.append(f"{folder.relative_to(ROOT)}: {stem}.py beside {stem}/")
+    assert not found, "split modules beside their parent (make a folder):\n" + "\n".join(found)
 
 
 def test_no_source_module_over_400_lines() -> None:

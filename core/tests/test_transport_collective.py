@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import ConfigError, SyncError
-from weightsync.pipeline import WeightSync
+from weightsync.sync.pipeline import WeightSync
 from weightsync.testing.contracts import TransportContract
 from weightsync.testing.engines import EngineProcess, free_port, start_all
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
-from weightsync.transports import pg as pgs
+from weightsync.transports.collective import pg as pgs
 from weightsync.transports.collective import CollectiveTransport, split_payload
 
 

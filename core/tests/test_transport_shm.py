@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 from weightsync.adapters.reference import ReferenceAdapter
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError, TransportError
-from weightsync.pipeline import WeightSync
+from weightsync.sync.pipeline import WeightSync
 from weightsync.testing.contracts import TransportContract
 from weightsync.testing.engines import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
-from weightsync.transports import cuda_ipc
+from weightsync.transports.shm import cuda_ipc
 from weightsync.transports.shm import SHM_DIR, ShmReceiver, ShmTransport
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs POSIX shared memory in /dev/shm")
@@ -141,7 +141,7 @@ _SENDER = textwrap.dedent("""
     # A trainer process that is SIGKILLed in the middle of a sync.
     import sys, time
     import torch
-    from weightsync.pipeline import WeightSync
+    from weightsync.sync.pipeline import WeightSync
     from weightsync.testing.sample import sample_state_dict
     from weightsync.transports.shm import ShmTransport
     real = ShmTransport.send

@@ -7,7 +7,7 @@ from safetensors.torch import load
 
 from weightsync.errors import PayloadError
 from weightsync.testing import sample_state_dict
-from weightsync.wire import frame, pack, unframe, unpack
+from weightsync.wire.frame import frame, pack, unframe, unpack
 
 
 def test_payload_body_is_a_valid_safetensors_file():

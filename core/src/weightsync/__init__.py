@@ -26,30 +26,31 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from .errors import (ConfigError, EngineError, EngineUnavailable, EngineUnreachable, PayloadError,
-                     PluginError, SyncError, TransportError, WeightSyncError)
-from .hookspecs import hookimpl
+from weightsync.errors import (ConfigError, EngineError, EngineUnavailable, EngineUnreachable,
+                               PayloadError, PluginError, SyncError, TransportError,
+                               WeightSyncError)
+from weightsync.hookspecs import hookimpl
 
 __version__ = "0.2.0"   # the one source: hatch reads it for the distribution's version
 
 _LAZY = {
-    "Bucket": "bucket", "TensorSpec": "bucket", "EngineSpec": "config", "SyncConfig": "config",
+    "Bucket": "wire.bucket", "TensorSpec": "wire.bucket", "EngineSpec": "config", "SyncConfig": "config",
     "Adapter": "interfaces", "Encoding": "interfaces", "Endpoint": "interfaces",
     "EngineStatus": "interfaces", "Exporter": "interfaces", "Fleet": "interfaces",
     "Member": "interfaces", "Payload": "interfaces", "PeerSource": "interfaces",
-    "Transport": "interfaces", "TransportReceiver": "interfaces", "WeightSync": "pipeline",
-    "load_components": "plugins", "make_plugin_manager": "plugins", "EngineOutcome": "report",
-    "SyncReport": "report",
+    "Transport": "interfaces", "TransportReceiver": "interfaces", "WeightSync": "sync.pipeline",
+    "load_components": "plugins", "make_plugin_manager": "plugins", "EngineOutcome": "sync.report",
+    "SyncReport": "sync.report",
 }
 
 if TYPE_CHECKING:
-    from .bucket import Bucket, TensorSpec
-    from .config import EngineSpec, SyncConfig
-    from .interfaces import (Adapter, Encoding, Endpoint, EngineStatus, Exporter, Fleet, Member,
-                             Payload, PeerSource, Transport, TransportReceiver)
-    from .pipeline import WeightSync
-    from .plugins import load_components, make_plugin_manager
-    from .report import EngineOutcome, SyncReport
+    from weightsync.wire.bucket import Bucket, TensorSpec
+    from weightsync.config import EngineSpec, SyncConfig
+    from weightsync.interfaces import (Adapter, Encoding, Endpoint, EngineStatus, Exporter, Fleet,
+                                       Member, Payload, PeerSource, Transport, TransportReceiver)
+    from weightsync.sync.pipeline import WeightSync
+    from weightsync.plugins import load_components, make_plugin_manager
+    from weightsync.sync.report import EngineOutcome, SyncReport
 
 
 def __getattr__(name: str) -> Any:

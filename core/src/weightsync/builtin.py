@@ -2,44 +2,44 @@
 
 from __future__ import annotations
 
-from .hookspecs import hookimpl
+from weightsync.hookspecs import hookimpl
 
 
 @hookimpl
 def register_exporters(register):  # noqa: ANN001, ANN201
-    from .exporters.torch import TorchExporter
+    from weightsync.exporters.torch import TorchExporter
     register(TorchExporter)
 
 
 @hookimpl
 def register_encodings(register):  # noqa: ANN001, ANN201
-    from .encodings.cast import CastEncoding
-    from .encodings.raw import RawEncoding
+    from weightsync.encodings.cast import CastEncoding
+    from weightsync.encodings.raw import RawEncoding
     register(RawEncoding)
     register(CastEncoding)
 
 
 @hookimpl
 def register_transports(register):  # noqa: ANN001, ANN201
-    from .transports.http import HttpTransport
+    from weightsync.transports.http.sending import HttpTransport
     register(HttpTransport)
-    from .transports.collective import CollectiveTransport
+    from weightsync.transports.collective import CollectiveTransport
     register(CollectiveTransport)
-    from .transports.shm import ShmTransport
+    from weightsync.transports.shm import ShmTransport
     register(ShmTransport)
 
 
 @hookimpl
 def register_adapters(register):  # noqa: ANN001, ANN201
-    from .adapters.reference import ReferenceAdapter
+    from weightsync.adapters.reference import ReferenceAdapter
     register(ReferenceAdapter)
 
 
 @hookimpl
 def register_fleets(register):  # noqa: ANN001, ANN201
-    from .fleet.registry import RegistryFleet
-    from .fleet.static import StaticFleet
-    from .ray.fleet import RayFleet     # imports no Ray: only opening the fleet needs it
+    from weightsync.fleets.registry import RegistryFleet
+    from weightsync.fleets.static import StaticFleet
+    from weightsync.ray.fleet import RayFleet     # imports no Ray: only opening the fleet needs it
     register(StaticFleet)
     register(RegistryFleet)
     register(RayFleet)
@@ -47,5 +47,5 @@ def register_fleets(register):  # noqa: ANN001, ANN201
 
 @hookimpl
 def register_peer_sources(register):  # noqa: ANN001, ANN201
-    from .fleet.peer import HttpPeerSource
+    from weightsync.fleets.peer import HttpPeerSource
     register(HttpPeerSource)

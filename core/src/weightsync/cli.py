@@ -37,7 +37,7 @@ class _Version(argparse.Action):
 
 # -- subcommands ------------------------------------------------------------------------------
 def _plugins(args: argparse.Namespace) -> int:
-    from .plugins import describe_plugins, load_components
+    from weightsync.plugins import describe_plugins, load_components
     rows = describe_plugins(load_components())
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise UserError(f"model directory {args.model} does not exist (give --model the "
                         f"directory with config.json and *.safetensors)")
-    from .server import serve
+    from weightsync.server import serve
     serve(args.model, args.host, args.port, args.api_key, args.name, args.device,
           api_key_file=args.api_key_file, load_roots=args.load_root, fleet=args.fleet,
           fleet_key=args.fleet_key, advertise=args.advertise, verbosity=args.verbose - args.quiet,
@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .check import check_config
+    from weightsync.sync.check import check_config
     problems, summary = check_config(args.config)
     if problems:
         for p in problems:
@@ -83,9 +83,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _route(args: argparse.Namespace) -> int:
-    from .httpserver import resolve_key
-    from .plugins import load_components
-    from .rollout import RolloutClient, RolloutRouter
+    from weightsync.net.server import resolve_key
+    from weightsync.plugins import load_components
+    from weightsync.rollout import RolloutClient, RolloutRouter
     components = load_components()
     if bool(args.fleet) == bool(args.engine):
         raise UserError("give the fleet registry (--fleet URL) or the engines (--engine URL ...)")
@@ -111,7 +111,7 @@ def _route(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from weightsync.rl.demo import run_demo
     return run_demo(engine=args.engine, steps=args.steps, workdir=args.workdir,
                     mode="async" if args.async_ else "sync", push=not args.no_push,
                     plot_path=args.plot)
@@ -119,25 +119,25 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     try:
-        from .bench import run_bench
+        from weightsync.bench import run_bench
     except ImportError as e:
         raise UserError(f"the benchmark needs weightsync-core[bench]: {e}") from None
     return run_bench(args)
 
 
 def _join(args: argparse.Namespace) -> int:
-    from .fleet.sidecar import run_sidecar
+    from weightsync.fleets.sidecar import run_sidecar
     return run_sidecar(args)
 
 
 def _fleet_serve(args: argparse.Namespace) -> int:
-    from .fleet.sidecar import run_registry
+    from weightsync.fleets.sidecar import run_registry
     return run_registry(args)
 
 
 def _fleet_ls(args: argparse.Namespace) -> int:
-    from .fleet.client import RegistryClient
-    from .httpserver import resolve_key
+    from weightsync.fleets.client import RegistryClient
+    from weightsync.net.server import resolve_key
     view = RegistryClient(args.registry, resolve_key(args.api_key, args.api_key_file,
                                                      env="WEIGHTSYNC_FLEET_KEY")).fleet()
     if args.json:
@@ -287,7 +287,7 @@ def _plugin_commands(sub: argparse._SubParsersAction) -> None:
     name already taken, is skipped with a warning: the other commands still work."""
     import logging
 
-    from .pluginmanager import make_plugin_manager
+    from weightsync.plugins import make_plugin_manager
     log = logging.getLogger("weightsync.plugins")
     try:
         pm = make_plugin_manager()
@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         raise
     except Exception as e:  # noqa: BLE001 - weightsync's own errors are user-facing sentences
-        from .errors import WeightSyncError
+        from weightsync.errors import WeightSyncError
         if isinstance(e, WeightSyncError):
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -13,8 +13,8 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import ConfigError
-from .metrics import MetricsSettings
+from weightsync.errors import ConfigError
+from weightsync.sync.metrics import MetricsSettings
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}

@@ -13,7 +13,7 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 if TYPE_CHECKING:
-    from .interfaces import Adapter, Encoding, Exporter, Fleet, PeerSource, Transport
+    from weightsync.interfaces import Adapter, Encoding, Exporter, Fleet, PeerSource, Transport
 
 
 @hookspec

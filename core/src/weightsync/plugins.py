@@ -1,5 +1,8 @@
-"""The components: the registries filled by calling the registration hooks once, and what
-`weightsync plugins` prints. The manager itself is `pluginmanager` (re-exported here)."""
+"""The plugin system in one module: the manager (built-ins and entry-point plugins go through the
+same hooks), the registries filled by calling the registration hooks once, and what `weightsync
+plugins` prints. Importing it is light (no interface, no torch), so the `weightsync` command can
+ask plugins for subcommands before it imports anything heavy: the interfaces load when the
+registries are first filled."""
 
 from __future__ import annotations
 
@@ -9,16 +12,111 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pluggy
 
-from .interfaces import Adapter, Encoding, Exporter, Fleet, PeerSource, Transport
-from .errors import PluginError
-from .pluginmanager import DEFAULT_PLUGINS, make_plugin_manager
-from .registry import Registry
+from weightsync import hookspecs
+from weightsync.errors import PluginError
+from weightsync.hookspecs import PROJECT
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from weightsync.interfaces import Adapter, Encoding, Exporter, Fleet, PeerSource, Transport
+
+__all__ = ["DEFAULT_PLUGINS", "Components", "Registry", "describe_plugins", "load_components",
+           "make_plugin_manager"]
+
+log = logging.getLogger("weightsync.plugins")
+
+DEFAULT_PLUGINS = ("weightsync.builtin",)
+
+
+def _env_list(name: str) -> set[str] | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    return {v.strip() for v in value.split(",") if v.strip()}
+
+
+def _load_entrypoints(pm: pluggy.PluginManager, failed: dict[str, str], only: set[str] | None) -> None:
+    for ep in importlib.metadata.entry_points(group=PROJECT):
+        if only is not None and ep.name not in only:
+            continue
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as err:  # a broken plugin must not take the whole sync down
+            log.warning("weightsync plugin %r failed to import: %r", ep.name, err)
+            failed[ep.name] = repr(err)
+            continue
+        pm.register(plugin, name=ep.name)
+        pm._plugin_distinfo.append((plugin, ep.dist))  # what pluggy's own loader records
+
+
+def make_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager:
+    """A fresh manager. `WEIGHTSYNC_PLUGINS=a,b` loads only those entry points ("" loads none);
+    `WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD` loads none; `WEIGHTSYNC_TRACE_PLUGINS` prints hook calls."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.failed_plugins = {}  # type: ignore[attr-defined]
+    if load_entrypoints and os.environ.get("WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD") is None:
+        _load_entrypoints(pm, pm.failed_plugins, _env_list("WEIGHTSYNC_PLUGINS"))  # type: ignore[attr-defined]
+    for modname in DEFAULT_PLUGINS:
+        pm.register(importlib.import_module(modname), name=modname)
+    pm.check_pending()
+    if os.environ.get("WEIGHTSYNC_TRACE_PLUGINS"):
+        def before(hook_name, impls, kwargs):  # noqa: ANN001
+            print(f"weightsync: {hook_name} -> {[i.plugin_name for i in impls]}", file=sys.stderr)
+
+        def after(outcome, hook_name, impls, kwargs):  # noqa: ANN001
+            pass
+        pm.add_hookcall_monitoring(before, after)
+    return pm
+
+
+C = TypeVar("C")
+
+
+class Registry(Generic[C]):
+    def __init__(self, kind: str, base: type[C], failed: dict[str, str] | None = None) -> None:
+        self.kind, self.base = kind, base
+        self._classes: dict[str, type[C]] = {}
+        self.failed = failed if failed is not None else {}
+
+    def add(self, cls: type[C]) -> None:
+        """The `register` callback handed to plugins."""
+        if not (isinstance(cls, type) and issubclass(cls, self.base)):
+            raise PluginError(f"{cls!r} is not a {self.base.__name__}; register a subclass of "
+                              f"weightsync.{self.base.__name__}")
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"{cls.__module__}.{cls.__qualname__} has no `name` class attribute")
+        other = self._classes.setdefault(name, cls)
+        if other is not cls:
+            raise PluginError(f"{self.kind} {name!r} is registered by both "
+                              f"{other.__module__}.{other.__qualname__} and "
+                              f"{cls.__module__}.{cls.__qualname__}; uninstall one of them or "
+                              f"limit loading with WEIGHTSYNC_PLUGINS")
+
+    def get(self, name: str) -> type[C]:
+        try:
+            return self._classes[name]
+        except KeyError:
+            msg = f"unknown {self.kind} {name!r}; installed: {sorted(self._classes)}"
+            if self.failed:
+                msg += "; plugins that failed to import: " + ", ".join(
+                    f"{k} ({v})" for k, v in sorted(self.failed.items()))
+            raise PluginError(msg) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def items(self) -> list[tuple[str, type[C]]]:
+        return sorted(self._classes.items())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
 
 
 @dataclass
@@ -35,6 +133,8 @@ class Components:
     peer_sources: Registry[PeerSource] = field(init=False)
 
     def __post_init__(self) -> None:
+        from weightsync.interfaces import (Adapter, Encoding, Exporter, Fleet, PeerSource,
+                                           Transport)
         self.exporters = Registry("exporter", Exporter, self.failed)
         self.encodings = Registry("encoding", Encoding, self.failed)
         self.transports = Registry("transport", Transport, self.failed)

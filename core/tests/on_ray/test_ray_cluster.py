@@ -34,7 +34,7 @@ def process_gone(pid: int, timeout: float = 30.0) -> bool:
 
 
 def start_fleet(name: str, cleanup: list[Callable[[], Any]]) -> Any:
-    from weightsync.ray.fleet_actor import start_fleet, stop_fleet
+    from weightsync.ray.roster import start_fleet, stop_fleet
     handle = start_fleet(name, "weightsync-tests", lease=3, timeout=180)
     cleanup.append(lambda: stop_fleet(name, "weightsync-tests"))
     return handle

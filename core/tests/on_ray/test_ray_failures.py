@@ -25,7 +25,7 @@ EXPORTER = {"kind": "torch", "options": {"bucket_bytes": 16384}}
 
 
 def start_fleet(name: str, cleanup: list[Callable[[], Any]]) -> Any:
-    from weightsync.ray.fleet_actor import start_fleet, stop_fleet
+    from weightsync.ray.roster import start_fleet, stop_fleet
     handle = start_fleet(name, NS, lease=3, timeout=180)
     cleanup.append(lambda: stop_fleet(name, NS))
     return handle
@@ -39,7 +39,7 @@ def test_a_fleet_actor_that_is_gone(cluster: dict[str, str], cleanup: list, tmp_
     from weightsync import WeightSync
     from weightsync.ray.engine import start_engine, stop_actors, wait_ready
     from weightsync.ray.fleet import FleetError
-    from weightsync.ray.fleet_actor import find_fleet, stop_fleet
+    from weightsync.ray.roster import find_fleet, stop_fleet
     from weightsync.ray.launch import EngineLaunch
 
     model = write_initial_checkpoint(tmp_path / "model")

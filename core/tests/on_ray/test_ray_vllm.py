@@ -22,7 +22,7 @@ def test_a_vllm_engine_actor_registers_and_is_pushed_to(cluster: dict[str, str],
 
     from weightsync import WeightSync
     from weightsync.ray.engine import start_engine, stop_actors, wait_ready
-    from weightsync.ray.fleet_actor import start_fleet, stop_fleet
+    from weightsync.ray.roster import start_fleet, stop_fleet
     from weightsync.ray.launch import EngineLaunch
 
     model = testing.build_model_dir(tmp_path / "model")

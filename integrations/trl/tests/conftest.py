@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 try:        # a skip raised here would stop a whole `pytest` run: the test module skips instead
     from weightsync_vllm import testing as vllm_testing

@@ -86,7 +86,7 @@ def test_no_engine_reached_raises_and_keeps_the_report() -> None:
 def test_async_weight_transfer_over_a_registry_fleet(pair: Any) -> None:
     """AsyncGRPOTrainer's protocol (init, pause, send_weights, resume, destroy) on a registry
     fleet the two servers register with: each sync lands verified on both, as versions 1, 2."""
-    from weightsync.fleet.member import Membership
+    from weightsync.fleets.member import Membership
     pair.reset()
     model = _trainer_model(pair)
     key = "fleet-key"

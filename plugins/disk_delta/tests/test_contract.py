@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.interfaces import Encoding, Transport
 from weightsync.testing.contracts import EncodingContract, TransportContract
 from weightsync.testing.sample import sample_state_dict

@@ -243,7 +243,7 @@ def _edit_shard(data: st.DataObject, root: Path, t: Template) -> None:
 
 def _edit_arrays(data: st.DataObject, raw: bytes) -> bytes:
     """Replace, drop or add one array (positions near the tensor's size, values of any dtype)."""
-    from weightsync.wire import unpack
+    from weightsync.wire.frame import unpack
     try:
         arrays = {n: a.clone() for n, a in unpack(bytearray(raw))[0]}
     except (WeightSyncError, ValueError, RuntimeError, TypeError, AttributeError):

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import torch
 
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync_disk_delta.encoding import DeltaEncoding, decode_payload
 
 

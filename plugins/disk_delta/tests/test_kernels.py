@@ -9,7 +9,7 @@ import torch
 
 import xxhash
 
-from weightsync.bucket import tensor_digest, tensor_hasher, tensor_header
+from weightsync.wire.bucket import tensor_digest, tensor_hasher, tensor_header
 from weightsync.errors import PayloadError
 from weightsync_disk_delta import hashing, kernels, positions
 from weightsync_disk_delta.codec import bits, encode_tensor

@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from weightsync import WeightSync
-from weightsync.bucket import digest_tensors
+from weightsync.wire.bucket import digest_tensors
 from weightsync.errors import PayloadError, TransportError
 from weightsync_disk_delta import testing
 from weightsync_disk_delta.agent import Agent
@@ -222,7 +222,7 @@ def test_local_bytes_that_are_not_the_base_are_caught_and_replaced(tmp_path: Pat
 
 
 def _changed_positions(root: Path, version: int, name: str) -> list[int]:
-    from weightsync.wire import unpack
+    from weightsync.wire.frame import unpack
     from weightsync_disk_delta.codec import sparse_parts
     m = raw_manifest(root, version)
     t = m["tensors"][name]

@@ -17,7 +17,7 @@ import pytest
 from weightsync import WeightSync
 from weightsync.errors import TransportError
 from weightsync.interfaces import Payload
-from weightsync.wire import pack
+from weightsync.wire.frame import pack
 from weightsync_disk_delta import transport as transport_mod
 from weightsync_disk_delta.layout import list_versions, read_latest
 from weightsync_disk_delta.testing import next_version, publish, publish_config, small_model

@@ -14,7 +14,7 @@ import pytest
 
 from weightsync import WeightSync
 from weightsync.errors import WeightSyncError
-from weightsync.fleet.client import RegistryClient
+from weightsync.fleets.client import RegistryClient
 from weightsync_disk_delta.agent import Agent
 from weightsync_disk_delta.layout import VERSIONS, version_dir_name
 from weightsync_disk_delta.testing import Trainer, bit_equal, publish_config

@@ -12,7 +12,7 @@ from lmd_standin import standin_logprob
 from weightsync import WeightSync
 from weightsync.config import EngineSpec
 from weightsync.errors import EngineError
-from weightsync.sampling import Gate, NotFitting, SamplingParams, Unsupported
+from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams, Unsupported
 from weightsync_lmdeploy import adapter as adapter_mod
 from weightsync_lmdeploy.adapter import LmdeployAdapter, LmdeployOptions
 from weightsync_lmdeploy.generation import SAMPLING, generate_body

@@ -20,7 +20,7 @@ import torch
 import lmd_real
 from weightsync.config import EngineSpec
 from weightsync.encodings.raw import RawEncoding
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync_lmdeploy import serialize as S
 from weightsync_lmdeploy.adapter import LmdeployAdapter, LmdeployOptions
 from weightsync_lmdeploy.segments import flattened_runs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError
 from weightsync_lmdeploy.segments import LayerGrouper, flattened_runs

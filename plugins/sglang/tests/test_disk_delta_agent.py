@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import requests
 from weightsync.config import EngineSpec
-from weightsync.pipeline import WeightSync
+from weightsync.sync.pipeline import WeightSync
 from weightsync.testing.sample import perturb
 from weightsync_sglang.adapter import SGLangAdapter
 

@@ -18,7 +18,7 @@ from weightsync.config import EngineSpec
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import SyncError
 from weightsync.exporters.torch import TorchExporter
-from weightsync.pipeline import WeightSync
+from weightsync.sync.pipeline import WeightSync
 from weightsync.testing.engines import free_port
 from weightsync.testing.sample import perturb
 from weightsync.transports.collective import split_payload

@@ -10,7 +10,7 @@ import pytest
 import requests
 from weightsync.config import EngineSpec
 from weightsync.errors import EngineError
-from weightsync.pipeline import WeightSync
+from weightsync.sync.pipeline import WeightSync
 from weightsync.testing.sample import perturb
 from weightsync_sglang.adapter import SGLangAdapter
 

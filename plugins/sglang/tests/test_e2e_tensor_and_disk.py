@@ -10,7 +10,7 @@ import pytest
 import torch
 from weightsync.config import EngineSpec
 from weightsync.errors import ConfigError, EngineError, SyncError
-from weightsync.pipeline import WeightSync
+from weightsync.sync.pipeline import WeightSync
 from weightsync.testing.sample import perturb, write_weights_only_model
 from weightsync_sglang.adapter import SGLangAdapter
 

@@ -14,8 +14,8 @@ import pytest
 import requests
 from weightsync.config import EngineSpec
 from weightsync.errors import EngineError
-from weightsync.pipeline import WeightSync
-from weightsync.sampling import Gate, NotFitting, SamplingParams, Unsupported
+from weightsync.sync.pipeline import WeightSync
+from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams, Unsupported
 from weightsync.testing.sample import perturb
 from weightsync_sglang import generation
 from weightsync_sglang.adapter import SGLangAdapter

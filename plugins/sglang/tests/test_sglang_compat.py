@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.config import EngineSpec
 from weightsync.encodings.raw import RawEncoding
 from weightsync.testing.sample import sample_state_dict

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.config import EngineSpec
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError
-from weightsync.transports.http import HttpReceiver, HttpTransport
+from weightsync.transports.http.sending import HttpReceiver, HttpTransport
 from weightsync_vllm.adapter import VllmAdapter, VllmOptions, render_fetch
-from weightsync_vllm.staging import CheckpointIndex, Round
+from weightsync_vllm.staging import CheckpointIndex, StagedRound
 from weightsync_vllm.testing import vllm_available
 
 HAVE_VLLM, WHY_NOT = vllm_available()
@@ -52,7 +52,7 @@ def test_the_adapter_publishes_each_body_once_and_sends_a_reference(index: Check
         assert "body_b64" not in info and info["fetch"]["nbytes"] == p.body.numel()
         assert info["fetch"]["url"].startswith("http://127.0.0.1:")
         assert len(b"".join(parts)) < 4096                       # no payload bytes in the JSON
-        r = Round(index, RawEncoding(), HttpReceiver(HttpTransport.Options()), 1)
+        r = StagedRound(index, RawEncoding(), HttpReceiver(HttpTransport.Options()), 1)
         d = r.stage_fetched(info["header"], info["fetch"])
         assert d == p.digest and r.end() == {0: d}
         assert all(torch.equal(r.staged[n], t) for n, t in new)
@@ -68,10 +68,10 @@ def test_the_adapter_publishes_each_body_once_and_sends_a_reference(index: Check
 
 
 def test_a_fetched_body_is_checked_like_an_inline_one(index: CheckpointIndex) -> None:
-    from weightsync.bodyserver import BodyServer
+    from weightsync.net.bodyserver import BodyServer
     server = BodyServer()
     try:
-        r = Round(index, RawEncoding(), HttpReceiver(HttpTransport.Options()), 1)
+        r = StagedRound(index, RawEncoding(), HttpReceiver(HttpTransport.Options()), 1)
         bad = RawEncoding().encode(Bucket(0, [("model.norm.weight", torch.ones(9))], last=True))
         with pytest.raises(PayloadError, match=r"\[9\]"):
             r.stage_fetched(bad.header(), server.publish(bad.body))

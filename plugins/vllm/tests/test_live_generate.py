@@ -14,7 +14,7 @@ import torch
 from weightsync import WeightSync
 from weightsync.config import EngineSpec
 from weightsync.errors import EngineError
-from weightsync.sampling import Gate, NotFitting, SamplingParams
+from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams
 from weightsync_vllm.adapter import VllmAdapter, VllmOptions
 from weightsync_vllm.testing import PROMPT, TINY, build_model_dir, vllm_available
 

@@ -103,7 +103,7 @@ def test_load_from_disk_only_below_the_load_roots(guarded: tuple[Live, Path, lis
     with pytest.raises(Exception, match="is not signed"):
         adapter.load_from_disk(str(inside), 101)
     assert live.weight_version() == before
-    from weightsync.signing import checkpoint_signature
+    from weightsync.wire.signing import checkpoint_signature
     with pytest.raises(Exception, match="signed as version 101, not 102"):
         adapter.load_from_disk(str(inside), 102,
                                signature=checkpoint_signature(HMAC.encode(), inside, 101))

@@ -297,7 +297,7 @@ def live_b(live: Live, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vll
 
 
 def _relayed(server: VllmServer) -> dict[str, Any]:
-    """What came to the server's worker through pull relays (weightsync_state's counters)."""
+    """What came to the server's worker through fetch relays (weightsync_state's counters)."""
     return requests.post(server.url + "/collective_rpc", headers=server.headers(),
                          json={"method": "weightsync_state", "kwargs": {"digests": False}},
                          timeout=30).json()["results"][0]["relay"]

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from weightsync.bucket import Bucket
+from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError
-from weightsync.transports.http import HttpReceiver, HttpTransport
+from weightsync.transports.http.sending import HttpReceiver, HttpTransport
 from weightsync_vllm import native
 from weightsync_vllm.adapter import VllmAdapter, _parse_version, render_update_weights
-from weightsync_vllm.staging import CheckpointIndex, Round
+from weightsync_vllm.staging import CheckpointIndex, StagedRound
 from weightsync_vllm.testing import vllm_available
 
 HAVE_VLLM, WHY_NOT = vllm_available()
@@ -155,11 +155,11 @@ def index(tmp_path: Path) -> CheckpointIndex:
     return CheckpointIndex(tmp_path)
 
 
-def _round(index: CheckpointIndex) -> Round:
-    return Round(index, RawEncoding(), HttpReceiver(HttpTransport.Options()), 1)
+def _round(index: CheckpointIndex) -> StagedRound:
+    return StagedRound(index, RawEncoding(), HttpReceiver(HttpTransport.Options()), 1)
 
 
-def _stage(r: Round, named: list[tuple[str, torch.Tensor]], index: int = 0, last: bool = True) -> str:
+def _stage(r: StagedRound, named: list[tuple[str, torch.Tensor]], index: int = 0, last: bool = True) -> str:
     p = RawEncoding().encode(Bucket(index, named, last=last))
     return r.stage(p.header(), memoryview(p.body.numpy()))
 
@@ -213,7 +213,7 @@ def test_completion_body_becomes_the_asked_vllm_sampling_params() -> None:
     the sampled token's logprob is asked for, and child i of n gets seed + i."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.v1.engine.parallel_sampling import ParentRequest
-    from weightsync.sampling import SamplingParams
+    from weightsync.interfaces.sampling import SamplingParams
     from weightsync_vllm.generation import SAMPLING, completion_body
 
     p = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, seed=11, max_new_tokens=9,
@@ -284,7 +284,7 @@ def test_start_command_without_vllm_says_what_to_install(monkeypatch: pytest.Mon
 def test_an_aborted_completion_is_not_fitting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request that a pause in mode abort ended comes back partial: refused, never a sample."""
     from weightsync.config import EngineSpec
-    from weightsync.sampling import Gate, NotFitting, SamplingParams
+    from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams
     a = VllmAdapter(engine=EngineSpec(url="http://127.0.0.1:9", name="e"))
     versions = iter([4, 5])
     monkeypatch.setattr(a, "weight_version", lambda: next(versions))

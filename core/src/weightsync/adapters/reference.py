@@ -12,10 +12,10 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import EngineError, WeightSyncError
-from ..httpclient import auth_headers, call, json_of, session_for
-from ..interfaces import Adapter, Endpoint, EngineStatus, LocalEngine
-from ..sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
+from weightsync.errors import EngineError, WeightSyncError
+from weightsync.net.client import auth_headers, call, json_of, session_for
+from weightsync.interfaces import Adapter, Endpoint, EngineStatus, LocalEngine
+from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
 
 ROUND_HEADER = "X-Weightsync-Round"
 _OPEN_ROUND = re.compile(r"is open; this begin .* lease expires in ([0-9.]+)s")
@@ -139,7 +139,7 @@ class ReferenceAdapter(Adapter):
     def load_from_disk(self, path: str, version: int, allow_older: bool = False,
                        signature: Mapping[str, Any] | None = None) -> None:
         """`allow_older`: an operator's rollback (the engine refuses to move back otherwise);
-        `signature`: weightsync.signing.checkpoint_signature, for an engine with an HMAC key."""
+        `signature`: weightsync.wire.signing.checkpoint_signature, for an engine with an HMAC key."""
         body: dict[str, Any] = {"path": str(path), "version": int(version),
                                 "allow_older": bool(allow_older)}
         if signature is not None:
@@ -220,7 +220,7 @@ class ReferenceAdapter(Adapter):
     @classmethod
     def launch_local(cls, model_dir: Path, workdir: Path, name: str,
                      extra_args: list[str] | None = None) -> LocalEngine:
-        from ..testing.engines import EngineProcess
+        from weightsync.testing.engines import EngineProcess
         e = EngineProcess(model_dir, name=name, log=Path(workdir) / f"{name}.log",
                           extra_args=extra_args or []).start(timeout=120)
         return LocalEngine(e.spec(), e.stop)

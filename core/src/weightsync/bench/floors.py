@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .measure import BARE_VERIFIED, MOE, Row, timed
-from .model import model_bytes
+from weightsync.bench.measure import BARE_VERIFIED, MOE, Row, timed
+from weightsync.bench.model import model_bytes
 
 
 def _memcpy_floor(sd: dict[str, torch.Tensor]) -> tuple[Callable[[], None], Callable[[], dict[str, Any]]]:
@@ -48,8 +48,8 @@ def _one_core_rows(sd: dict[str, torch.Tensor], repeat: int, log: Callable[[str]
 
     import xxhash
 
-    from ..bucket import tensor_header
-    from ..hashing import copy_digest
+    from weightsync.wire.bucket import tensor_header
+    from weightsync.wire.digests import copy_digest
     n = model_bytes(sd)
     dst = {k: torch.empty_like(t) for k, t in sd.items()}
 
@@ -131,8 +131,8 @@ class Baselines:
                    moe: dict[str, torch.Tensor] | None, workers: Any) -> None:
         from safetensors.torch import save_file
 
-        from ..testing.engines import free_port
-        from ..transports import pg as pgs
+        from weightsync.testing.engines import free_port
+        from weightsync.transports.collective import pg as pgs
         R, n = self.receivers, model_bytes(sd)
         raw_r, raw_1 = "gloo broadcast, 1 tensor (raw)", "gloo broadcast, 1 tensor (raw, 1 receiver)"
         flat = flatten(sd)
@@ -172,7 +172,7 @@ class Baselines:
             def single(key: str, count: int) -> Callable[[], None]:
                 def go() -> None:
                     idx = workers.post(("single", (key, n)), only=count)
-                    pgs.broadcast(groups[key], flat, 600)
+                    pgs.broadcast(groups[key], flat, 600)  # noqa: F821 (del later)
                     workers.wait(idx)
                 return go
             self.rows.append(timed(raw_r, "floor", n, R, single("all", R), max(3, self.repeat),
@@ -185,12 +185,12 @@ class Baselines:
                 # receiver hashes each chunk in place while the next one arrives
                 from concurrent.futures import ThreadPoolExecutor
 
-                from ..bucket import tensor_digest
+                from weightsync.wire.bucket import tensor_digest
                 idx = workers.post(("verified", ("one", n, self.bucket)), only=1)
                 mine = []
                 with ThreadPoolExecutor(1) as hasher:
                     for i, at in enumerate(range(0, n, self.bucket)):
-                        piece = flat[at: at + self.bucket]
+                        piece = flat[at: at + self.bucket]  # noqa: F821 (del later)
                         mine.append(hasher.submit(tensor_digest, f"c{i}", piece))
                         pgs.broadcast(groups["one"], piece, 600)
                     mine = [f.result() for f in mine]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .model import model_bytes
+from weightsync.bench.model import model_bytes
 
 
 def _bench_cuda(fn: Callable[[], Any], repeat: int) -> tuple[float, list[float]]:
@@ -72,8 +72,8 @@ def gpu_rows(bench: Any, sd_cpu: dict[str, torch.Tensor], model_dir: Path) -> li
     """The GPU rows for `bench` (a `weightsync.bench.Bench`), in the order described above."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    from .measure import Row
-    from ..testing.engines import EngineProcess
+    from weightsync.bench.measure import Row
+    from weightsync.testing.engines import EngineProcess
     log, repeat, R = bench.log, bench.repeat, bench.receivers
     n = model_bytes(sd_cpu)
     sd = {k: t.cuda() for k, t in sd_cpu.items()}
@@ -96,7 +96,7 @@ def gpu_rows(bench: Any, sd_cpu: dict[str, torch.Tensor], model_dir: Path) -> li
         flat[off: off + k].copy_(t.reshape(-1).view(torch.uint8))
         off += k
     dst = torch.empty_like(flat)
-    best, runs = _bench_cuda(lambda: dst.copy_(flat), max(5, repeat))
+    best, runs = _bench_cuda(lambda: dst.copy_(flat), max(5, repeat))  # noqa: F821
     add("cuda copy floor", "floor", 1, best, runs, 0)
     del dst
 
@@ -144,8 +144,8 @@ def gpu_rows(bench: Any, sd_cpu: dict[str, torch.Tensor], model_dir: Path) -> li
 
 def _push_row(bench: Any, sd: dict[str, torch.Tensor], engines: list[Any], label: str,
               verify: bool, n: int) -> Any:
-    from .measure import Row
-    from ..pipeline import WeightSync
+    from weightsync.bench.measure import Row
+    from weightsync.sync.pipeline import WeightSync
     cfg = {"transport": {"kind": "shm", "options": {"device": "cuda"}}, "adapter": "reference",
            "engines": [e.spec() for e in engines],
            "exporter": {"kind": "torch", "options": {"bucket_bytes": bench.bucket}},

@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from ..config import parse_bytes as parse_size
-from .floors import Baselines, _memcpy_floor, _one_core_rows
-from .measure import MOE, PIDS, Row, exact_malloc, loadavg, timed
-from .model import model_bytes, moe_model, small_tensors_model, synthetic_model
-from .transport_rows import TransportRows
-from .verdicts import bar_chart, cpu_targets, table, verdicts
+from weightsync.config import parse_bytes as parse_size
+from weightsync.bench.floors import Baselines, _memcpy_floor, _one_core_rows
+from weightsync.bench.measure import MOE, PIDS, Row, exact_malloc, loadavg, timed
+from weightsync.bench.model import model_bytes, moe_model, small_tensors_model, synthetic_model
+from weightsync.bench.transport_rows import TransportRows
+from weightsync.bench.verdicts import bar_chart, cpu_targets, table, verdicts
 
 RESULTS = Path("benchmarks/results")
 
@@ -74,7 +74,7 @@ class Bench(Baselines, TransportRows):
         self.extra_targets: dict[str, Any] = {}    # targets that plugin rows add
 
     def transports(self) -> list[str]:
-        from ..plugins import load_components
+        from weightsync.plugins import load_components
         comps = load_components()
         ref = comps.adapters.get("reference")
         usable = [n for n, t in comps.transports.items()
@@ -90,7 +90,7 @@ class Bench(Baselines, TransportRows):
 
     @staticmethod
     def has_plugin(name: str) -> bool:
-        from ..plugins import load_components
+        from weightsync.plugins import load_components
         comps = load_components()
         return name in comps.encodings or name in comps.transports
 
@@ -99,7 +99,7 @@ class Bench(Baselines, TransportRows):
         """The rows plugins add through `register_bench_rows` (of `pm`, default: the installed
         plugins), each a callable that appends its Rows (and targets, in `extra_targets`) to the
         running Bench."""
-        from ..pluginmanager import make_plugin_manager
+        from weightsync.plugins import make_plugin_manager
         found: list[Callable[[Bench, dict[str, torch.Tensor]], None]] = []
         (pm or make_plugin_manager()).hook.register_bench_rows(register=found.append)
         return found
@@ -119,7 +119,7 @@ class Bench(Baselines, TransportRows):
         n, ns = model_bytes(sd), model_bytes(small)
         self.largest = max(t.numel() * t.element_size() for t in sd.values())
         R = self.receivers
-        from ..hashing import path
+        from weightsync.wire.digests import path
         self.log(f"weightsync bench: {n / 2**30:.3f} GiB in {len(sd)} tensors (bf16), "
                  f"{R} receivers, bucket {self.bucket / 2**20:.0f} MiB; small-tensor model "
                  f"{ns / 2**20:.0f} MiB in {len(small)} tensors"
@@ -139,7 +139,7 @@ class Bench(Baselines, TransportRows):
         if device in ("cpu", "auto"):
             self._cpu_rows(sd, small, moe, model_dir, moe_dir, n)
         if gpu:
-            from .gpu import gpu_rows
+            from weightsync.bench.gpu import gpu_rows
             self.rows += gpu_rows(self, sd, model_dir)
         result = self.result()
         if not getattr(self.args, "keep_workdir", False):
@@ -149,8 +149,8 @@ class Bench(Baselines, TransportRows):
     def _cpu_rows(self, sd: dict[str, torch.Tensor], small: dict[str, torch.Tensor],
                   moe: dict[str, torch.Tensor] | None, model_dir: Path, moe_dir: Path | None,
                   n: int) -> None:
-        from .workers import Workers, unhashed_env
-        from ..hashing import warm
+        from weightsync.bench.workers import Workers, unhashed_env
+        from weightsync.wire.digests import warm
         R = self.receivers
         warm()
         # floor: best of several runs, measured again at the end (the machine is shared)
@@ -210,7 +210,7 @@ class Bench(Baselines, TransportRows):
 
     class _Engines:
         def __init__(self, bench: Bench, model_dir: Path, tag: str, env: dict[str, str] | None) -> None:
-            from ..testing.engines import EngineProcess
+            from weightsync.testing.engines import EngineProcess
             self.engines = [EngineProcess(model_dir, name=f"bench-{tag}{i}", env=env,
                                           log=bench.work / f"engine-{tag}{i}.log")
                             for i in range(bench.receivers)]
@@ -258,10 +258,10 @@ class Bench(Baselines, TransportRows):
             rows.append(d)
         targets = cpu_targets(self, by)
         if "cuda" in floors:
-            from .gpu import gpu_targets
+            from weightsync.bench.gpu import gpu_targets
             targets.update(gpu_targets([r for r in self.rows if r.detail.get("device") == "cuda"],
                                        max(self.bucket, self.largest)))
-        from ..hashing import path
+        from weightsync.wire.digests import path
         return {"size_bytes": memcpy.bytes,
                 "device": (torch.cuda.get_device_name(0) if "cuda" in floors else "cpu"),
                 "receivers": self.receivers, "bucket_bytes": self.bucket,

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .measure import DELTA_DENSITY, Row, perturbed, push_detail, timed
-from .model import model_bytes
+from weightsync.bench.measure import DELTA_DENSITY, Row, perturbed, push_detail, timed
+from weightsync.bench.model import model_bytes
 
 
 class TransportRows:
@@ -34,8 +34,8 @@ class TransportRows:
 
     def _transport(self, kind: str, sd: dict[str, torch.Tensor], engines: list[Any], label: str,
                    verify: bool = True) -> Row:
-        from .workers import unhashed
-        from ..pipeline import WeightSync
+        from weightsync.bench.workers import unhashed
+        from weightsync.sync.pipeline import WeightSync
         opts: dict[str, Any] = {"timeout": 600} if kind == "collective" else {}
         if kind == "shm":
             opts["device"] = "cpu"
@@ -73,7 +73,7 @@ class TransportRows:
     def _delta(self, kind: str, sd: dict[str, torch.Tensor], engines: list[Any], raw: Row) -> None:
         """The `delta` encoding (disk_delta plugin) over `kind`: every timed push carries a
         version in which DELTA_DENSITY of the elements changed since the previous one."""
-        from ..pipeline import WeightSync
+        from weightsync.sync.pipeline import WeightSync
         opts: dict[str, Any] = {"device": "cpu"} if kind == "shm" else {}
         cfg = {"transport": {"kind": kind, "options": opts}, "adapter": "reference",
                "encoding": {"kind": "delta", "options": {"full_when_chain_exceeds": 0}},

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from ..bucket import dtype_from_name
+from weightsync.wire.bucket import dtype_from_name
 
 
 def _worker(conn: Any, rank: int) -> None:
     from safetensors.torch import load_file
 
-    from ..transports import pg as pgs
+    from weightsync.transports.collective import pg as pgs
     torch.set_num_threads(1)
     groups: dict[str, Any] = {}
     weights: dict[str, torch.Tensor] = {}
@@ -104,8 +104,8 @@ def _receive_verified(pg: Any, nbytes: int, chunk: int, cache: dict[int, Any]) -
     arrives (no staging copy, no framework); the digests, for the bench to compare."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..bucket import tensor_digest
-    from ..transports import pg as pgs
+    from weightsync.wire.bucket import tensor_digest
+    from weightsync.transports.collective import pg as pgs
     bufs = cache.get(-chunk)
     if bufs is None:
         bufs = cache[-chunk] = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(3)]
@@ -185,7 +185,7 @@ def _copy_only(dst: torch.Tensor, src: torch.Tensor, header: bytes, source: bool
 
 
 class _NoDigest:
-    """`hashing.Digest` that hashes nothing (the streamed receive of `receiver.read_staged`)."""
+    """`hashing.Digest` that hashes nothing (the streamed receive of `receive.read_staged`)."""
 
     address = None
 
@@ -204,7 +204,7 @@ class _NoDigest:
 
 def unhash() -> None:
     """From now on this process copies without hashing and reports a fixed digest."""
-    from .. import hashing
+    from weightsync.wire import digests as hashing
     hashing.copy_digest = _copy_only
     hashing.Digest = _NoDigest  # type: ignore[misc]
 
@@ -212,7 +212,7 @@ def unhash() -> None:
 @contextlib.contextmanager
 def unhashed(on: bool = True) -> Iterator[None]:
     """The bench process without digests, for the duration (the sender side of a verify-off row)."""
-    from .. import hashing
+    from weightsync.wire import digests as hashing
     real = hashing.copy_digest, hashing.Digest
     if on:
         unhash()

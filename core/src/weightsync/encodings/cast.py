@@ -9,9 +9,9 @@ from typing import Callable, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ..bucket import Bucket, dtype_from_name
-from ..interfaces import Alloc, Encoding, Payload
-from .raw import pack_bucket, unpack_payload
+from weightsync.wire.bucket import Bucket, dtype_from_name
+from weightsync.interfaces import Alloc, Encoding, Payload
+from weightsync.encodings.raw import pack_bucket, unpack_payload
 
 
 class CastOptions(BaseModel):

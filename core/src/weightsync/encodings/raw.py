@@ -6,9 +6,9 @@ from typing import Callable
 
 import torch
 
-from ..bucket import Bucket, combine_digests
-from ..interfaces import Alloc, Encoding, Payload
-from ..wire import pack, pack_digest, safetensors_layout, unpack
+from weightsync.wire.bucket import Bucket, combine_digests
+from weightsync.interfaces import Alloc, Encoding, Payload
+from weightsync.wire.frame import pack, pack_digest, safetensors_layout, unpack
 
 
 def pack_bucket(name: str, bucket: Bucket, alloc: Alloc | None = None,

@@ -14,8 +14,9 @@ from typing import Any, Iterator
 import torch
 import xxhash
 
-from .gather import SENDER, Request, Rows, exchange, rows_of
-from .plan import Group, Output, Plan, Source, contiguous_strides, needed_sources
+from weightsync.exporters.gather import SENDER, Request, Rows, exchange, rows_of
+from weightsync.exporters.plan import (Group, Output, Plan, Source, contiguous_strides,
+                                       needed_sources)
 
 _FALLBACK = "full"
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .plan import Group, Output, Source, identity, is_dtensor
+from weightsync.exporters.plan import Group, Output, Source, identity, is_dtensor
 
 
 def transformers_model(model: Any) -> Any | None:

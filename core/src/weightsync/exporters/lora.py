@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from .plan import Source, is_dtensor
+from weightsync.exporters.plan import Source, is_dtensor
 
 
 def peft_loaded() -> bool:

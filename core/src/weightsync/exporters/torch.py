@@ -19,13 +19,14 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..bucket import Bucket
-from ..config import ByteSize
-from ..interfaces import Exporter, NameMap
-from . import layout, lora
-from .fetch import stream
-from .names import check_names, checkpoint_names
-from .plan import Output, Plan, Source, identity, mapping_items, module_items, untie
+from weightsync.wire.bucket import Bucket
+from weightsync.config import ByteSize
+from weightsync.interfaces import Exporter, NameMap
+from weightsync.exporters import layout, lora
+from weightsync.exporters.fetch import stream
+from weightsync.exporters.names import check_names, checkpoint_names
+from weightsync.exporters.plan import (Output, Plan, Source, identity, mapping_items, module_items,
+                                       untie)
 
 
 class TorchExporterOptions(BaseModel):

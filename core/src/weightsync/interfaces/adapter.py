@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from pydantic import BaseModel
 
-from ..errors import WeightSyncError
-from ..sampling import Gate, Sample, SamplingParams, Unsupported
-from .base import Bounded, Component, Payload
-from .streams import Encoding, Endpoint, Transport
+from weightsync.errors import WeightSyncError
+from weightsync.interfaces.sampling import Gate, Sample, SamplingParams, Unsupported
+from weightsync.interfaces.base import Bounded, Component, Payload
+from weightsync.interfaces.streams import Encoding, Endpoint, Transport
 
 if TYPE_CHECKING:
-    from ..config import EngineSpec
+    from weightsync.config import EngineSpec
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Adapter(Bounded, Component):
     def __init__(self, options: BaseModel | None = None, engine: "EngineSpec | None" = None) -> None:
         super().__init__(options)
         if engine is None:
-            from ..config import EngineSpec
+            from weightsync.config import EngineSpec
             engine = EngineSpec(url="http://127.0.0.1:8100")
         self.engine = engine
 
@@ -129,13 +129,13 @@ class Adapter(Bounded, Component):
         raise NotImplementedError(f"adapter {self.name!r} cannot take relayed payloads")
 
     def relay_source(self) -> str | None:
-        """Pull relays of `http` (engines that fetch their bodies by reference): the URL of the
+        """Fetch relays of `http` (engines that fetch their bodies by reference): the URL of the
         body server where this engine offers the pieces it checked to the engines it feeds;
         None: it cannot pass bytes on this way."""
         return None
 
     def take_fetch(self, header: Mapping[str, Any], fetch: Mapping[str, Any]) -> None:
-        """Pull relays: hand the engine one payload to fetch by reference (`fetch`: url, token,
+        """Fetch relays: hand the engine one payload to fetch by reference (`fetch`: url, token,
         nbytes, and under "relay" the piece digests, what to offer on, and the trainer's
         fallback copy); returns once it staged the payload."""
         raise NotImplementedError(f"adapter {self.name!r} cannot fetch relayed payloads")

@@ -11,8 +11,8 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ..bucket import TensorSpec
-from ..errors import PayloadError
+from weightsync.wire.bucket import TensorSpec
+from weightsync.errors import PayloadError
 
 NameMap = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
@@ -42,7 +42,8 @@ class Component(abc.ABC):
     Options: ClassVar[type[BaseModel]] = NoOptions
 
     def __init__(self, options: BaseModel | None = None) -> None:
-        self.options = options if options is not None else self.Options()
+        # typed Any: each kind's subclass reads the fields of its own `Options` model
+        self.options: Any = options if options is not None else self.Options()
 
     @classmethod
     def describe(cls, options: BaseModel) -> dict[str, Any]:
@@ -61,7 +62,7 @@ class Payload:
     specs: list[TensorSpec]          # those tensors
     body: torch.Tensor               # uint8, contiguous, CPU or CUDA
     meta: dict[str, Any] = field(default_factory=dict)
-    sig: str | None = None           # HMAC of what the header claims (weightsync.signing)
+    sig: str | None = None           # HMAC of what the header claims (weightsync.wire.signing)
 
     @property
     def logical_bytes(self) -> int:

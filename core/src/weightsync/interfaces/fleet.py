@@ -7,10 +7,10 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
-from .base import Component
+from weightsync.interfaces.base import Component
 
 if TYPE_CHECKING:
-    from ..config import EngineSpec
+    from weightsync.config import EngineSpec
 
 
 @dataclass

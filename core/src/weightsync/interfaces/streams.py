@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Se
 import torch
 from pydantic import BaseModel
 
-from ..bucket import Bucket
-from .base import Alloc, Bounded, Component, NameMap, Payload
+from weightsync.wire.bucket import Bucket
+from weightsync.interfaces.base import Alloc, Bounded, Component, NameMap, Payload
 
 if TYPE_CHECKING:
-    from .adapter import Adapter
+    from weightsync.interfaces.adapter import Adapter
 
 
 class Exporter(Component):

@@ -14,9 +14,9 @@ from typing import Any
 
 _EXPORTS = {
     "RayFleet": ".fleet",
-    "FleetActor": ".fleet_actor",
-    "start_fleet": ".fleet_actor",
-    "stop_fleet": ".fleet_actor",
+    "FleetActor": ".roster",
+    "start_fleet": ".roster",
+    "stop_fleet": ".roster",
     "EngineActor": ".engine",
     "EngineLaunch": ".launch",
     "start_engine": ".engine",

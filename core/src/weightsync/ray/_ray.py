@@ -8,7 +8,7 @@ import re
 import socket
 from typing import Any
 
-from ..errors import WeightSyncError
+from weightsync.errors import WeightSyncError
 
 
 class RayMissing(WeightSyncError):

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from typing import Any, Iterator, Sequence
 
-from ._ray import free_port, require_ray
+from weightsync.ray._ray import free_port, require_ray
 
 
 @contextlib.contextmanager

@@ -23,12 +23,12 @@ from typing import Any, Sequence
 
 import ray
 
-from ..config import EngineSpec, build_options
-from ..errors import WeightSyncError
-from ._ray import ActorGone, ActorRestarting, free_port, get, node_ip, restarted
-from .launch import EngineLaunch, command, describe
-from .membership import ActorMembership
-from .process import ManagedProcess, crash_actor
+from weightsync.config import EngineSpec, build_options
+from weightsync.errors import WeightSyncError
+from weightsync.ray._ray import ActorGone, ActorRestarting, free_port, get, node_ip, restarted
+from weightsync.ray.launch import EngineLaunch, command, describe
+from weightsync.ray.membership import ActorMembership
+from weightsync.ray.process import ManagedProcess, crash_actor
 
 log = logging.getLogger("weightsync.ray")
 
@@ -73,7 +73,7 @@ class EngineRunner:
 
     # -- starting ---------------------------------------------------------------------------
     def _adapter_cls(self) -> Any:
-        from ..plugins import load_components
+        from weightsync.plugins import load_components
         return load_components().adapters.get(self.launch.adapter.kind)
 
     def _start_engine(self) -> None:

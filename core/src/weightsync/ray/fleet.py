@@ -1,5 +1,5 @@
 """Fleet `ray`: the members of a push are whoever registered with a named, detached Ray actor
-(`fleet_actor.FleetActor`). Engine actors register themselves and renew their lease; the trainer
+(`roster.FleetActor`). Engine actors register themselves and renew their lease; the trainer
 needs no handle to any of them, only the fleet's name and namespace.
 
 This module imports nothing from Ray at import time: core registers the source through
@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import EngineSpec
-from ..errors import ConfigError, WeightSyncError
-from ..interfaces import Fleet, Member
-from .fleet_actor import DEFAULT_NAME, DEFAULT_NAMESPACE
+from weightsync.config import EngineSpec
+from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.interfaces import Fleet, Member
+from weightsync.ray.roster import DEFAULT_NAME, DEFAULT_NAMESPACE
 
 log = logging.getLogger("weightsync.ray")
 
@@ -61,7 +61,7 @@ class RayFleet(Fleet):
         return f"fleet actor {self.options.name!r} (Ray namespace {self.options.namespace!r})"
 
     def open(self, components: Any, default_adapter: Any) -> None:
-        from ._ray import connect
+        from weightsync.ray._ray import connect
         connect(self.options.address)
         if default_adapter is not None:
             self.default_adapter = default_adapter.model_dump(mode="json")
@@ -72,7 +72,7 @@ class RayFleet(Fleet):
                      "setting holds)", self.what, settings.get("lease"), self.options.lease)
 
     def _find_or_start(self) -> Any:
-        from .fleet_actor import find_fleet, start_fleet
+        from weightsync.ray.roster import find_fleet, start_fleet
         o = self.options
         if not o.create:
             return find_fleet(o.name, o.namespace)
@@ -85,7 +85,7 @@ class RayFleet(Fleet):
         `timeout`). When it is gone: found again by name if someone started it anew, else (with
         `create`) started again for the next push; this call then fails with a FleetError that
         says so."""
-        from ._ray import ActorGone, ActorRestarting, get
+        from weightsync.ray._ray import ActorGone, ActorRestarting, get
         if self.actor is None:
             raise FleetError(f"{self.what} is not open: call open() first (WeightSync does)")
         until = time.monotonic() + self.options.timeout
@@ -102,8 +102,8 @@ class RayFleet(Fleet):
                 return self._gone(gone, method, args)
 
     def _gone(self, gone: BaseException, method: str, args: tuple) -> Any:
-        from ._ray import ActorGone, get
-        from .fleet_actor import find_fleet
+        from weightsync.ray._ray import ActorGone, get
+        from weightsync.ray.roster import find_fleet
         try:
             self.actor = find_fleet(self.options.name, self.options.namespace)
             return get(getattr(self.actor, method).remote(*args), self.options.timeout, self.what)
@@ -130,7 +130,7 @@ class RayFleet(Fleet):
         return dict(self._call("excluded"))
 
     def anchor(self, version: int, buckets: list[Any]) -> None:
-        """The push's digests, which peer joins check (see weightsync.fleet.peer)."""
+        """The push's digests, which peer joins check (see weightsync.fleets.peer)."""
         self._call("anchor", int(version), list(buckets))
 
     def synced(self, version: int, versions: Any) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import ComponentRef
-from ..errors import ConfigError
-from ..sampling import Unsupported
+from weightsync.config import ComponentRef
+from weightsync.errors import ConfigError
+from weightsync.interfaces.sampling import Unsupported
 
 
 class EngineLaunch(BaseModel):
@@ -44,7 +44,7 @@ def command(launch: EngineLaunch, host: str, port: int, name: str, components: A
         argv = list(launch.command) + list(launch.args)
     else:
         if components is None:
-            from ..plugins import load_components
+            from weightsync.plugins import load_components
             components = load_components()
         cls = components.adapters.get(launch.adapter.kind)
         try:

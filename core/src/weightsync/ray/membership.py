@@ -1,7 +1,7 @@
 """A member's side of the Ray fleet, run inside an engine or agent actor: register with the fleet
 actor (found by name), renew the lease every third of it with the version the engine holds,
 register again when the fleet forgot the member (the fleet actor restarted, or was started anew),
-and deregister on the way out. The same job as `fleet.member.Membership`, over Ray calls."""
+and deregister on the way out. The same job as `fleets.member.Membership`, over Ray calls."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ._ray import ActorGone, get
-from .fleet_actor import FleetRefused, NotRegistered, find_fleet
+from weightsync.ray._ray import ActorGone, get
+from weightsync.ray.roster import FleetRefused, NotRegistered, find_fleet
 
 log = logging.getLogger("weightsync.ray")
 

@@ -80,7 +80,7 @@ def train_step(model: nn.Module, version: int, state: dict[str, Any]) -> float:
 
 def write_initial_checkpoint(path: str | Path, seed: int = 0) -> Path:
     """The policy as it starts (version 0), as a weights-only model directory engines serve."""
-    from ..testing import write_weights_only_model
+    from weightsync.testing import write_weights_only_model
     sd = {k: v.detach().clone() for k, v in build_policy(seed).state_dict().items()}
     return write_weights_only_model(path, sd)
 

@@ -24,10 +24,10 @@ from typing import Any, Callable, Mapping, Sequence
 import ray
 import torch
 
-from ..errors import SyncError, WeightSyncError
-from ..report import SyncReport
-from ._ray import ActorGone, free_port, get, node_ip, reason, short
-from .engine import placement
+from weightsync.errors import SyncError, WeightSyncError
+from weightsync.sync.report import SyncReport
+from weightsync.ray._ray import ActorGone, free_port, get, node_ip, reason, short
+from weightsync.ray.engine import placement
 
 log = logging.getLogger("weightsync.ray")
 
@@ -116,7 +116,7 @@ class TrainerWorker:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from ..pipeline import WeightSync
+        from weightsync.sync.pipeline import WeightSync
         backend = pick_backend(backend)
         device = "cuda" if backend == "nccl" else "cpu"
         if device == "cuda":

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch.func import functional_call
 
-from ..sampling import Sample
+from weightsync.interfaces.sampling import Sample
 
 
 @dataclass

@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import SyncError
-from ..sampling import Sample, SamplingParams
-from . import grpo
+from weightsync.errors import SyncError
+from weightsync.interfaces.sampling import Sample, SamplingParams
+from weightsync.rl import grpo
 
 Sampler = Callable[..., list[Sample]]       # (prompts, params, min_version=...) -> Samples
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .loop import StepStats
+from weightsync.rl.loop import StepStats
 
 MARGIN = 0.15           # the rise of the mean reward (first 3 steps -> last 3) a run must show
 WINDOW = 3

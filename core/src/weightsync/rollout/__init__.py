@@ -1,11 +1,12 @@
 """Rollouts for RL: sampled tokens with their logprobs and weight versions, from any engine of a
 fleet (`RolloutClient`), or through one URL for the whole fleet (`RolloutRouter`, `RouterClient`).
-The data they carry (`SamplingParams`, `Gate`, `Sample`) is `weightsync.sampling`."""
+The data they carry (`SamplingParams`, `Gate`, `Sample`) is `weightsync.interfaces.sampling`."""
 
-from ..sampling import Gate, NotFitting, Sample, SamplingParams, StaleEngines, Unsupported
-from .client import RolloutClient
-from .remote import RouterClient
-from .router import RolloutRouter
+from weightsync.interfaces.sampling import (Gate, NotFitting, Sample, SamplingParams, StaleEngines,
+                                            Unsupported)
+from weightsync.rollout.client import RolloutClient
+from weightsync.rollout.remote import RouterClient
+from weightsync.rollout.router import RolloutRouter
 
 __all__ = ["Gate", "NotFitting", "RolloutClient", "RolloutRouter", "RouterClient", "Sample",
            "SamplingParams", "StaleEngines", "Unsupported"]

@@ -21,10 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from ..config import EngineSpec
-from ..errors import EngineError, WeightSyncError
-from ..interfaces import Adapter, Fleet, Member
-from ..sampling import Gate, NotFitting, Sample, SamplingParams, StaleEngines, Unsupported
+from weightsync.config import EngineSpec
+from weightsync.errors import EngineError, WeightSyncError
+from weightsync.interfaces import Adapter, Fleet, Member
+from weightsync.interfaces.sampling import (Gate, NotFitting, Sample, SamplingParams, StaleEngines,
+                                            Unsupported)
 
 MembersSource = Callable[[], list[Member]]
 
@@ -63,7 +64,7 @@ class RolloutClient:
         else:
             self._source = fleet.members if isinstance(fleet, Fleet) else fleet
         if components is None:
-            from ..plugins import load_components
+            from weightsync.plugins import load_components
             components = load_components()
         self.components = components
         self.default_adapter = adapter

@@ -7,7 +7,7 @@ from typing import Any
 
 import requests
 
-from ..sampling import Sample, SamplingParams, StaleEngines, Unsupported
+from weightsync.interfaces.sampling import Sample, SamplingParams, StaleEngines, Unsupported
 
 
 class RouterClient:

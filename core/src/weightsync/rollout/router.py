@@ -19,9 +19,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..httpserver import HttpError, Routes, Server, make_server
-from .client import RolloutClient
-from ..sampling import SamplingParams, StaleEngines, Unsupported
+from weightsync.net.server import HttpError, Routes, Server, make_server
+from weightsync.rollout.client import RolloutClient
+from weightsync.interfaces.sampling import SamplingParams, StaleEngines, Unsupported
 
 routes = Routes()
 MAX_PROMPTS = 4096

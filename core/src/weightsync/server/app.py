@@ -1,4 +1,4 @@
-"""HTTP routes of the reference engine (weightsync.httpserver: one thread per connection, keys
+"""HTTP routes of the reference engine (weightsync.net.server: one thread per connection, keys
 checked before bodies, bodies capped per route, connections capped and timed out).
 
   GET  /health                      {"status", "version", "weight_version", "paused", "round", "peer"}
@@ -26,7 +26,7 @@ checked before bodies, bodies capped per route, connections capped and timed out
   POST /weightsync/payload          frame: u64 header length, JSON header, body (http transport)
   POST /weightsync/expect            relay shapes: a bucket's header, piece digests, children
   POST /weightsync/relay            (X-Weightsync-Relay: token, no API key) a frame forwarded
-                                    by a parent member (weightsync.receiver.relay)
+                                    by a parent member (weightsync.transports.http.member_relay)
   POST /weightsync/relayed          {index, wait}: this member's signed outcome for a relayed
                                     bucket, once it has one (a long poll; a stall answers too)
   POST /weightsync/announce         JSON header of a body placed out of band (shm, collective)
@@ -61,12 +61,12 @@ from typing import Any
 from pydantic import ValidationError
 from safetensors.torch import save
 
-from ..errors import PayloadError
-from ..sampling import SamplingParams
-from ..httpserver import HttpError, Routes, Server, make_server as make_http_server
-from ..httpserver import MiB, resolve_key, warn_if_open
-from ..wire import read_frame_header
-from .engine import ReferenceEngine, VersionGate
+from weightsync.errors import PayloadError
+from weightsync.interfaces.sampling import SamplingParams
+from weightsync.net.server import HttpError, Routes, Server, make_server as make_http_server
+from weightsync.net.server import MiB, resolve_key, warn_if_open
+from weightsync.wire.frame import read_frame_header
+from weightsync.server.engine import ReferenceEngine, VersionGate
 
 log = logging.getLogger("weightsync.server")
 ROUND_HEADER = "X-Weightsync-Round"
@@ -199,7 +199,7 @@ def _expect(h: Any, q: dict) -> Any:
 
 @routes.add("POST", "/weightsync/relay", auth=False, max_body=lambda: 0)   # replaced per engine
 def _relay(h: Any, q: dict) -> Any:
-    from ..receiver.relay import RELAY_HEADER, Tampered
+    from weightsync.transports.http.member_relay import RELAY_HEADER, Tampered
     read_into = h.body_reader(GATHER)
 
     def cancel() -> None:                 # unblocks a read from a parent that stalled
@@ -323,12 +323,12 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
           fleet_key: str | None = None, advertise: str | None = None, verbosity: int = 0,
           hmac_key_file: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None) -> None:
-    from ..plugins import load_components
-    from .model import load_model
+    from weightsync.plugins import load_components
+    from weightsync.server.model import load_model
 
     level = {-1: logging.WARNING, 0: logging.INFO}.get(verbosity, logging.DEBUG)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from ..signing import load_key
+    from weightsync.wire.signing import load_key
     key = resolve_key(api_key, api_key_file)
     engine = ReferenceEngine(load_model(model_dir, device), load_components(), name or f"{host}:{port}",
                              hmac_key=load_key(None, hmac_key_file))
@@ -346,7 +346,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
     url = advertise or f"{scheme}://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{real_port}"
     member = None
     if fleet:
-        from ..fleet.member import Membership
+        from weightsync.fleets.member import Membership
         member = Membership(fleet, fleet_key, {"name": engine.name, "url": url,
                                                "adapter": {"kind": "reference"}, "api_key": key},
                             version=lambda: engine.version)

@@ -18,15 +18,16 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..bucket import dtype_name
-from ..errors import PayloadError
-from ..fleet.peer import Shares, pull
-from ..receiver import ReceiveSession, check_tensor, read_checkpoint
-from ..receiver.relay import Desk, relay
-from ..signing import check_checkpoint
-from .generation import Conflict, Generation, VersionGate  # noqa: F401 - re-exported
-from .model import LoadedModel
-from .sampler import Sampler
+from weightsync.wire.bucket import dtype_name
+from weightsync.errors import PayloadError
+from weightsync.fleets.peer import Shares, pull
+from weightsync.receive import ReceiveSession, check_tensor
+from weightsync.wire.checkpoint import read_checkpoint
+from weightsync.transports.http.member_relay import Desk, relay
+from weightsync.wire.signing import check_checkpoint
+from weightsync.server.generation import Conflict, Generation, VersionGate  # noqa: F401 - re-exported
+from weightsync.server.model import LoadedModel
+from weightsync.server.sampler import Sampler
 
 log = logging.getLogger("weightsync.server")
 DEFAULT_LEASE = 10.0
@@ -44,7 +45,7 @@ def _lease(value: Any) -> float:
 
 
 @dataclass
-class Round:
+class OpenRound:
     id: str
     version: int
     session: ReceiveSession
@@ -69,7 +70,7 @@ class ReferenceEngine(Generation):
         self.paused: str | None = None           # None, "abort" or "keep"
         self.pause_epoch = 0
         self.pause_expires: float | None = None  # a pause taken under a lease ends by itself
-        self.round: Round | None = None
+        self.round: OpenRound | None = None
         self.session_lock = threading.RLock()
         self.lapsed = 0                          # rounds and pauses ended by a lapsed lease
         self.shares = Shares(key=hmac_key)       # peer join: tokens this engine serves
@@ -102,7 +103,7 @@ class ReferenceEngine(Generation):
             self.state.notify_all()
 
     # -- update round -----------------------------------------------------------------------
-    def begin(self, version: int, plan: Mapping[str, Any], lease: float | None = None) -> Round:
+    def begin(self, version: int, plan: Mapping[str, Any], lease: float | None = None) -> OpenRound:
         lease = _lease(lease)
         with self.session_lock:
             self._expire()
@@ -116,12 +117,12 @@ class ReferenceEngine(Generation):
             session = ReceiveSession(self.model.store, {**plan, "version": version,
                                                         "engine_version": self.version},
                                      self.components, self.hmac_key)
-            self.round = Round(secrets.token_hex(8), version, session, lease,
+            self.round = OpenRound(secrets.token_hex(8), version, session, lease,
                                time.monotonic() + lease)
             log.info("round %s opened for version %d (lease %.1fs)", self.round.id, version, lease)
             return self.round
 
-    def _current(self, rid: str | None) -> Round:
+    def _current(self, rid: str | None) -> OpenRound:
         r = self.round
         if r is None:
             raise Conflict(f"round {rid} is not open: no round is (it was committed or aborted, or "
@@ -159,20 +160,21 @@ class ReferenceEngine(Generation):
     def apply_stream(self, rid: str | None, header: Mapping[str, Any],
                      read_into: Callable[[memoryview], int], nbytes: int) -> str:
         """`apply` for a body still arriving on the request (the http payload route); a relay
-        of the same bucket gives way (receiver.relay.Desk.supersede)."""
+        of the same bucket gives way (transports.http.member_relay.Desk.supersede)."""
         r = self._current(rid)
         r.desk.supersede(header.get("index"))
         return r.session.apply_stream(header, read_into, nbytes)
 
     def expect(self, rid: str | None, body: Mapping[str, Any]) -> None:
-        """The trainer announces a bucket that will arrive through a relay (receiver.relay)."""
+        """The trainer announces a bucket that will arrive through a relay
+        (transports.http.member_relay)."""
         self._current(rid).desk.expect(body)
 
     def relay(self, rid: str | None, token: str | None, read_into: Callable[[memoryview], int],
               total: int, cancel: Callable[[], None] | None = None) -> dict[str, Any]:
         """A frame forwarded by a parent member: token checked before any body byte is read;
-        `cancel` shuts its connection (receiver.relay.Desk.supersede)."""
-        from ..wire import read_frame_header
+        `cancel` shuts its connection (transports.http.member_relay.Desk.supersede)."""
+        from weightsync.wire.frame import read_frame_header
         r = self._current(rid)
         r.desk.check_token(token)
         header, nbytes = read_frame_header(read_into, total)
@@ -183,7 +185,8 @@ class ReferenceEngine(Generation):
         return out
 
     def relay_answer(self, rid: str | None, index: Any, wait: float) -> dict[str, Any]:
-        """The trainer's long poll for a relayed bucket's outcome (receiver.relay.Desk.answer);
+        """The trainer's long poll for a relayed bucket's outcome
+        (transports.http.member_relay.Desk.answer);
         the round's lock is not held while it waits."""
         return self._current(rid).desk.answer(index, min(max(0.0, wait), 600.0))
 
@@ -241,7 +244,7 @@ class ReferenceEngine(Generation):
             return out
 
     def pull(self, peer: Mapping[str, Any], lease: float = 600.0) -> int:
-        """Catch up from a peer (see weightsync.fleet.peer): everything is staged and checked in
+        """Catch up from a peer (see weightsync.fleets.peer): everything is staged and checked in
         a round of its own (trainer rounds are refused meanwhile), then committed at once."""
         source = self.components.peer_sources.get(str(peer.get("source") or "http"))()
         rid: list[str] = []
@@ -354,7 +357,7 @@ class ReferenceEngine(Generation):
         return out
 
 
-def _close(r: Round) -> None:
+def _close(r: OpenRound) -> None:
     """End a round whose lease lapsed: its relays first, then its session."""
     r.desk.close()
     r.session.close()

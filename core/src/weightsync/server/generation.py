@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from ..errors import PayloadError
-from ..httpserver import Conflict409
-from ..sampling import SamplingParams
-from .sampler import Aborted, make_rows, score
+from weightsync.errors import PayloadError
+from weightsync.net.server import Conflict409
+from weightsync.interfaces.sampling import SamplingParams
+from weightsync.server.sampler import Aborted, make_rows, score
 
 
 class Conflict(Conflict409):

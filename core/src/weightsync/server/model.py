@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from ..receiver import DictStore, ModuleStore
+from weightsync.receive import DictStore, ModuleStore
 
 
 class LoadedModel:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..sampling import SamplingParams
+from weightsync.interfaces.sampling import SamplingParams
 
 
 class Aborted(Exception):

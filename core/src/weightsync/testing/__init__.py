@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .engines import EngineProcess, free_port, start_all
-from .sample import sample_state_dict, write_weights_only_model
+from weightsync.testing.engines import EngineProcess, free_port, start_all
+from weightsync.testing.sample import sample_state_dict, write_weights_only_model
 
 if TYPE_CHECKING:
-    from .contracts import (AdapterContract, EncodingContract, ExporterContract, FleetContract,
-                            PeerSourceContract, ServingPeer, TransportContract)
+    from weightsync.testing.contracts import (AdapterContract, EncodingContract, ExporterContract,
+                                              FleetContract, PeerSourceContract, ServingPeer,
+                                              TransportContract)
 
 _CONTRACTS = ("AdapterContract", "EncodingContract", "ExporterContract", "FleetContract",
               "PeerSourceContract", "ServingPeer", "TransportContract")
@@ -29,7 +30,7 @@ def __getattr__(name: str) -> Any:
     if name not in _CONTRACTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        from . import contracts
+        from weightsync.testing import contracts
     except ModuleNotFoundError as e:
         if e.name != "pytest":
             raise

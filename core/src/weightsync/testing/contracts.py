@@ -13,15 +13,15 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from ..bucket import Bucket, digest_tensors
-from ..config import EngineSpec
-from ..errors import PayloadError, SyncError
-from ..interfaces import Adapter, Encoding, Exporter, Transport
-from ..pipeline import WeightSync
-from .contract_base import _Contract
-from .engines import EngineProcess, free_port, start_all
-from .peer_contract import PeerSourceContract, ServingPeer
-from .sample import perturb, sample_state_dict, write_weights_only_model
+from weightsync.wire.bucket import Bucket, digest_tensors
+from weightsync.config import EngineSpec
+from weightsync.errors import PayloadError, SyncError
+from weightsync.interfaces import Adapter, Encoding, Exporter, Transport
+from weightsync.sync.pipeline import WeightSync
+from weightsync.testing.contract_base import _Contract
+from weightsync.testing.engines import EngineProcess, free_port, start_all
+from weightsync.testing.peer_contract import PeerSourceContract, ServingPeer
+from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 
 class ExporterContract(_Contract, abc.ABC):

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from ..bucket import digest_tensors, dtype_name
-from ..errors import PayloadError
-from ..interfaces import PeerSource
-from .contract_base import _Contract
+from weightsync.wire.bucket import digest_tensors, dtype_name
+from weightsync.errors import PayloadError
+from weightsync.interfaces import PeerSource
+from weightsync.testing.contract_base import _Contract
 
 
 @dataclass
@@ -54,7 +54,7 @@ class PeerSourceContract(_Contract, abc.ABC):
 
     def test_manifest_names_the_version_and_every_tensor(self, source: PeerSource,
                                                          peer: ServingPeer) -> None:
-        from ..fleet.peer import parse_manifest
+        from weightsync.fleets.peer import parse_manifest
         man = parse_manifest(source.manifest(peer.share()))
         assert man.version == peer.version
         listed = {t.name: t for b in man.buckets for t in b.tensors}
@@ -66,8 +66,8 @@ class PeerSourceContract(_Contract, abc.ABC):
 
     def test_every_bucket_matches_its_digest_and_the_weights(self, source: PeerSource,
                                                              peer: ServingPeer) -> None:
-        from ..fleet.peer import parse_manifest
-        from ..wire import unpack
+        from weightsync.fleets.peer import parse_manifest
+        from weightsync.wire.frame import unpack
         share = peer.share()
         man = parse_manifest(source.manifest(share))
         share = {**share, "version": man.version}
@@ -90,7 +90,7 @@ class PeerSourceContract(_Contract, abc.ABC):
             source.manifest(share)
 
     def test_a_token_serves_one_pull(self, source: PeerSource, peer: ServingPeer) -> None:
-        from ..fleet.peer import parse_manifest
+        from weightsync.fleets.peer import parse_manifest
         share = peer.share()
         man = parse_manifest(source.manifest(share))
         share = {**share, "version": man.version}
@@ -103,7 +103,7 @@ class PeerSourceContract(_Contract, abc.ABC):
 
     def test_an_index_outside_the_manifest_fails_clearly(self, source: PeerSource,
                                                          peer: ServingPeer) -> None:
-        from ..fleet.peer import parse_manifest
+        from weightsync.fleets.peer import parse_manifest
         share = peer.share()
         man = parse_manifest(source.manifest(share))
         outside = len(man.buckets)

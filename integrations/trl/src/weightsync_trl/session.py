@@ -42,7 +42,7 @@ def load_config(source: ConfigSource, server_url: str | None = None) -> dict[str
                              "no server URL: add `engines: [{url: ...}]` or `fleet: {kind: "
                              "registry}` to the config")
         data["engines"] = [{"url": server_url}]
-    from weightsync.assembly import resolve
+    from weightsync.sync.assembly import resolve
     from weightsync.plugins import load_components
     resolve(SyncConfig.load(data), load_components())   # a bad name or option fails now, named
     return data

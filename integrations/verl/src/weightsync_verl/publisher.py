@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from weightsync.fleet.peer import SHARE_HEADER, Shares
-from weightsync.fleet.service import RegistryService
-from weightsync.httpserver import HttpError, Routes, Server, make_server
+from weightsync.fleets.peer import SHARE_HEADER, Shares
+from weightsync.fleets.service import RegistryService
+from weightsync.net.server import HttpError, Routes, Server, make_server
 from weightsync.plugins import load_components
 
 log = logging.getLogger("weightsync.verl")

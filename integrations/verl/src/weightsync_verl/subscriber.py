@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from weightsync.bucket import digest_algo, digest_tensors
+from weightsync.wire.bucket import digest_algo, digest_tensors
 from weightsync.errors import PayloadError
-from weightsync.fleet.member import Membership
-from weightsync.fleet.peer import MAX_MANIFEST, SHARE_HEADER, HttpPeerSource, parse_manifest
-from weightsync.wire import unpack
+from weightsync.fleets.member import Membership
+from weightsync.fleets.peer import MAX_MANIFEST, SHARE_HEADER, HttpPeerSource, parse_manifest
+from weightsync.wire.frame import unpack
 
 log = logging.getLogger("weightsync.verl")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
-from weightsync._jit import _hash, _prefetch  # shared with core's copy + digest loop
+from weightsync.wire.jit import _hash, _prefetch  # shared with core's copy + digest loop
 
-# nogil: a bucket's tensors run on every core at once (weightsync.parallel.map_threads)
+# nogil: a bucket's tensors run on every core at once (weightsync.wire.pool.map_threads)
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 _U = np.uint64
 _AHEAD = 512                   # words (4 KiB) the compare prefetches ahead of itself

@@ -177,7 +177,7 @@ class Agent:
         path = str(self.local.model_dir)
         load = self.adapter.load_from_disk       # type: ignore[union-attr]
         if self.hmac_key is not None and "signature" in inspect.signature(load).parameters:
-            from weightsync.signing import checkpoint_signature
+            from weightsync.wire.signing import checkpoint_signature
             load(path, v, signature=checkpoint_signature(self.hmac_key, path, v))
         else:
             load(path, v)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from weightsync.bench import DELTA_DENSITY, drop_cache, perturbed, timed
 from weightsync.bench.model import model_bytes
-from weightsync.pipeline import WeightSync
+from weightsync.sync.pipeline import WeightSync
 
 from .agent import Agent
 
@@ -52,7 +52,7 @@ def disk_delta_rows(bench: Any, sd: dict[str, torch.Tensor]) -> None:
         t_load = time.perf_counter() - t0
         del loaded
         return {"seconds": t_save + t_load, "save_s": round(t_save, 4), "load_s": round(t_load, 4)}
-    full_row = timed(f"full safetensors checkpoint (save+fsync+load)", "baseline", n, 1, full,
+    full_row = timed("full safetensors checkpoint (save+fsync+load)", "baseline", n, 1, full,
                      bench.repeat, None, bench.log, prepare, floor="memcpy floor")
     ckpt.unlink(missing_ok=True)
     bench.rows.append(full_row)

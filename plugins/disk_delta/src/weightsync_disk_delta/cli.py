@@ -24,7 +24,7 @@ def _adapter(kind: str, url: str | None, api_key: str | None):  # noqa: ANN202
 
 def _fleet_version(member: Any) -> int | None:
     """The version the fleet registry reports (None when it cannot be asked right now)."""
-    from weightsync.fleet.client import RegistryError
+    from weightsync.fleets.client import RegistryError
     try:
         v = member.client.fleet().get("version")
     except RegistryError:
@@ -38,10 +38,10 @@ def _agent(args: argparse.Namespace) -> int:
 
     from .agent import Agent
     from .layout import load_hook
-    from weightsync.httpserver import resolve_key
+    from weightsync.net.server import resolve_key
     adapter = _adapter(args.engine, args.url, resolve_key(args.api_key, args.api_key_file,
                                                           env="WEIGHTSYNC_ENGINE_KEY"))
-    from weightsync.signing import load_key
+    from weightsync.wire.signing import load_key
     agent = Agent(args.root, args.local, adapter, before_read=load_hook(args.before_read),
                   fsync=args.fsync, on_event=lambda m: print(f"agent: {m}", flush=True),
                   max_backoff=args.max_backoff, hmac_key=load_key(None, args.hmac_key_file))
@@ -49,8 +49,8 @@ def _agent(args: argparse.Namespace) -> int:
     if args.fleet:                          # show this host and its version in the fleet
         import socket
 
-        from weightsync.fleet.member import Membership
-        from weightsync.httpserver import resolve_key
+        from weightsync.fleets.member import Membership
+        from weightsync.net.server import resolve_key
         url = args.url or "http://127.0.0.1:1"
         member = Membership(args.fleet, resolve_key(args.fleet_key, None, env="WEIGHTSYNC_FLEET_KEY"),
                             {"name": args.name or socket.gethostname(), "url": url,

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import torch
 import zstandard
 
-from weightsync.bucket import dtype_name, tensor_digest, tensor_header
+from weightsync.wire.bucket import dtype_name, tensor_digest, tensor_header
 from weightsync.errors import PayloadError
 
 from . import kernels, positions
@@ -55,7 +55,7 @@ class Encoded:
     entry: dict[str, Any]                       # JSON: kind, changed, numel, ...
     arrays: list[tuple[str, torch.Tensor]]      # what goes into the payload body
     changed: int
-    digest: str                                 # the new tensor's (weightsync.bucket.tensor_digest)
+    digest: str                                 # the new tensor's (weightsync.wire.bucket.tensor_digest)
     idx: torch.Tensor | None = None             # int64 changed positions (None: all / unknown)
     vals: torch.Tensor | None = None            # their new values, as integer bits
 

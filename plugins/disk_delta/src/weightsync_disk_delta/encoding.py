@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.bucket import Bucket, combine_digests, tensor_digest
+from weightsync.wire.bucket import Bucket, combine_digests, tensor_digest
 from weightsync.errors import ConfigError, PayloadError
 from weightsync.interfaces import Alloc, Encoding, Payload
-from weightsync.parallel import map_threads
-from weightsync.wire import pack, packed_size, unpack
+from weightsync.wire.pool import map_threads
+from weightsync.wire.frame import pack, packed_size, unpack
 
 from . import kernels
 from .codec import Encoded, apply_entry, bits, encode_tensor

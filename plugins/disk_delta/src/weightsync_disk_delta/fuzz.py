@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from weightsync.bucket import DTYPES
+from weightsync.wire.bucket import DTYPES
 
 INTERESTING_INTS = [0, 1, -1, 2, 7, 8, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32, 2**53,
                     2**62, 2**63 - 1, 2**63, 2**64, -2**63, 10**30]
@@ -180,7 +180,7 @@ def _manifest_edit(draw: st.DrawFn, m: Any) -> Any:
 
 def safetensors_bytes(arrays: dict[str, torch.Tensor]) -> bytes:
     """A safetensors file holding `arrays` (weightsync's layout: aligned, no padding)."""
-    from weightsync.wire import pack
+    from weightsync.wire.frame import pack
     return bytes(pack(sorted(arrays.items())).numpy())
 
 

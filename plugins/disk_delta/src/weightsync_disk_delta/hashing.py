@@ -1,5 +1,5 @@
 """A tensor's digest in a hash state the compiled loops can feed themselves: this is
-`weightsync.hashing` (core), shared with core's one-pass copy + digest; this module name stays
+`weightsync.wire.digests` (core), shared with core's one-pass copy + digest; this module name stays
 for the plugin's own imports and tests.
 
 The module object *is* core's (`sys.modules` points this name at it), so `Digest`, `library()`,
@@ -9,6 +9,5 @@ from __future__ import annotations
 
 import sys
 
-from weightsync import hashing as _core
-
+from weightsync.wire import digests as _core
 sys.modules[__name__] = _core

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Any, Callable, Iterable, TypeVar
 
-from weightsync.parallel import workers
+from weightsync.wire.pool import workers
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -134,7 +134,7 @@ def list_versions(root: Path) -> list[int]:
 
 
 def manifest_signature(key: bytes, raw: dict) -> str:
-    """HMAC-SHA256 over the manifest's canonical JSON without its `sig` (weightsync.signing's
+    """HMAC-SHA256 over the manifest's canonical JSON without its `sig` (weightsync.wire.signing's
     shared key): a forged version on the shared root fails to verify."""
     import hashlib
     import hmac

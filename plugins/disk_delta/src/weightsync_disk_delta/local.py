@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from weightsync.bucket import dtype_from_name, tensor_digest
+from weightsync.wire.bucket import dtype_from_name, tensor_digest
 from weightsync.errors import PayloadError
-from weightsync.parallel import map_threads
+from weightsync.wire.pool import map_threads
 
 from . import journal
 from .change import Change, check_changes
@@ -64,7 +64,7 @@ def tensor_offsets(path: Path) -> dict[str, dict[str, Any]]:
         hlen = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(hlen))
     header.pop("__metadata__", None)
-    from weightsync.wire import _ST_NAMES
+    from weightsync.wire.frame import _ST_NAMES
     return {n: {"offset": 8 + hlen + int(info["data_offsets"][0]), "dtype": _ST_NAMES[info["dtype"]],
                 "shape": [int(d) for d in info["shape"]]} for n, info in header.items()}
 

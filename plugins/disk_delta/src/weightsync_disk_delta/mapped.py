@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from weightsync.bucket import dtype_from_name, tensor_header
+from weightsync.wire.bucket import dtype_from_name, tensor_header
 from weightsync.errors import PayloadError
 
 from . import kernels

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from weightsync.errors import PayloadError, WeightSyncError
-from weightsync.parallel import map_threads
+from weightsync.wire.pool import map_threads
 
 from .layout import Hook, check_shard, list_versions, read_manifest, stat_shard
 from .prepare import check_like_local

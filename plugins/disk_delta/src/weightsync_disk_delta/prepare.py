@@ -8,9 +8,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from weightsync.bucket import tensor_digest
+from weightsync.wire.bucket import tensor_digest
 from weightsync.errors import PayloadError
-from weightsync.parallel import map_threads
+from weightsync.wire.pool import map_threads
 
 from .change import Change
 from .codec import IDX_SEP, apply_entry, entry_changes

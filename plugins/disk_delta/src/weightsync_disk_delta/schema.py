@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
                       field_validator, model_validator)
 
-from weightsync.bucket import DTYPES
+from weightsync.wire.bucket import DTYPES
 
 MANIFEST_FORMAT = "weightsync-disk-delta/2"      # 2: sparse positions may be gap-coded ("pos")
 READABLE_FORMATS = ("weightsync-disk-delta/1", MANIFEST_FORMAT)

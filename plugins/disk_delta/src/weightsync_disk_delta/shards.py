@@ -16,8 +16,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from weightsync.errors import PayloadError
-from weightsync.parallel import map_threads
-from weightsync.wire import _ST_NAMES, unpack
+from weightsync.wire.pool import map_threads
+from weightsync.wire.frame import _ST_NAMES, unpack
 
 from .codec import keys
 from .layout import Hook, read_shard

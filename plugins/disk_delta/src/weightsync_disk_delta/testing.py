@@ -133,20 +133,20 @@ def rewrite_shard(root: Path, version: int, file: str, data: bytes) -> None:
 
 def shard_arrays(root: Path, version: int, file: str) -> dict[str, torch.Tensor]:
     """The arrays of a published shard (copies)."""
-    from weightsync.wire import unpack
+    from weightsync.wire.frame import unpack
     data = bytearray((version_dir(root, version) / file).read_bytes())
     return {n: t.clone() for n, t in unpack(data)[0]}
 
 
 def set_shard_arrays(root: Path, version: int, file: str, arrays: dict[str, torch.Tensor]) -> None:
     """Rewrite a shard from `arrays` (checksum fixed, see rewrite_shard)."""
-    from weightsync.wire import pack
+    from weightsync.wire.frame import pack
     body = pack(sorted(arrays.items()))
     rewrite_shard(root, version, file, bytes(body.numpy()))
 
 
 def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    from weightsync.bucket import tensor_digest
+    from weightsync.wire.bucket import tensor_digest
     return {n: tensor_digest(n, t) for n, t in state.items()}
 
 

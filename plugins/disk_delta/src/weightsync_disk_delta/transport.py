@@ -21,11 +21,11 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.bucket import tensor_digest
+from weightsync.wire.bucket import tensor_digest
 from weightsync.errors import TransportError
 from weightsync.interfaces import Adapter, Payload, Transport
-from weightsync.signing import load_key
-from weightsync.wire import unpack
+from weightsync.wire.signing import load_key
+from weightsync.wire.frame import unpack
 
 from .encoding import FORMAT as DELTA_FORMAT
 from .layout import (LATEST, MANIFEST_FORMAT, manifest_signature, VERSIONS, atomic_write, file_digest, fsync_dir,

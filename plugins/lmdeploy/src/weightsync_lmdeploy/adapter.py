@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from weightsync.errors import ConfigError, EngineError, WeightSyncError
-from weightsync.httpclient import auth_headers, call, json_of
+from weightsync.net.client import auth_headers, call, json_of
 from weightsync.interfaces import Adapter, Encoding, EngineStatus, Payload, Transport
 
 from .generation import LmdeployRollouts
@@ -214,7 +214,7 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
     def _segments(self, payload: Payload) -> list[Segment]:
         o = self.options
         if o.backend == "turbomind":
-            from weightsync.wire import unpack
+            from weightsync.wire.frame import unpack
             return list(self._grouper.feed(list(unpack(payload.body)[0]), payload.last))
         if o.flattened:
             return flattened_runs(payload.body)
@@ -310,7 +310,7 @@ def _numel(shape: Any) -> int:
 
 
 def _itemsize(dtype: str) -> int:
-    from weightsync.bucket import dtype_from_name
+    from weightsync.wire.bucket import dtype_from_name
     return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
 
 

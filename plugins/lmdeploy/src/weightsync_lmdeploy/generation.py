@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 import requests
 from weightsync.errors import EngineError
-from weightsync.httpclient import call
-from weightsync.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
+from weightsync.net.client import call
+from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
 
 SAMPLING = frozenset(SamplingParams.model_fields) - {"seed"}
 LOGPROBS_FLAG = "--logprobs-mode raw_logprobs"

@@ -17,9 +17,9 @@ from typing import Iterator
 
 import torch
 
-from weightsync.bucket import dtype_from_name
+from weightsync.wire.bucket import dtype_from_name
 from weightsync.errors import PayloadError
-from weightsync.wire import _ST_NAMES, unpack
+from weightsync.wire.frame import _ST_NAMES, unpack
 
 from .serialize import FlattenedTensorMetadata, flattened_metadata
 

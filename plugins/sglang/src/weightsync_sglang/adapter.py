@@ -28,7 +28,7 @@ from typing import Any, Literal
 import requests
 from pydantic import BaseModel, ConfigDict, Field
 from weightsync.errors import ConfigError, EngineError
-from weightsync.httpclient import auth_headers, call, error_text
+from weightsync.net.client import auth_headers, call, error_text
 from weightsync.interfaces import Adapter, EngineStatus
 
 from .generation import SGLangRollouts

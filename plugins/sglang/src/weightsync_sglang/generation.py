@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from weightsync.errors import EngineError
-from weightsync.httpclient import call, error_text
-from weightsync.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
+from weightsync.net.client import call, error_text
+from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
 
 from .versions import from_sglang
 

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 
 import torch
-from weightsync.bucket import dtype_from_name
+from weightsync.wire.bucket import dtype_from_name
 from weightsync.errors import PayloadError
 
 _ST_TO_TORCH = {

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from weightsync.interfaces import Payload
-from weightsync.wire import unpack
+from weightsync.wire.frame import unpack
 
 
 class Sampler:

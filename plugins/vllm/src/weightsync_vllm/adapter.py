@@ -16,13 +16,13 @@ import os
 import threading
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import requests
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from weightsync.errors import EngineError
-from weightsync.httpclient import auth_headers, call, json_of
+from weightsync.net.client import auth_headers, call, json_of
 from weightsync.interfaces import Adapter, Endpoint, EngineStatus
 
 from .generation import TOKEN_ENV, VllmRollouts, parse_version as _parse_version
@@ -92,7 +92,7 @@ class VllmAdapter(VllmRollouts, Adapter):
         self._order = threading.Condition()
         self._next_index = 0        # the bucket whose announce goes out next
         self.round_id: str | None = None
-        self._bodies: Any = None    # weightsync.bodyserver.BodyServer, started on first use
+        self._bodies: Any = None    # weightsync.net.bodyserver.BodyServer, started on first use
         self._published: list[dict[str, Any]] = []
         self.token = self.options.token or os.environ.get(TOKEN_ENV) or None
         self._source: tuple[str | None, str | None] | None = None   # (round, relay url)
@@ -237,7 +237,7 @@ class VllmAdapter(VllmRollouts, Adapter):
         """Publish `body` for one fetch by this engine's worker (the previous one is withdrawn:
         payloads reach vLLM one after another, each POST answered before the next is built)."""
         if self._bodies is None:
-            from weightsync.bodyserver import BodyServer
+            from weightsync.net.bodyserver import BodyServer
             self._bodies = BodyServer(self.options.body_host, advertise=self.options.body_advertise,
                                       timeout=self.options.payload_timeout)
         self._withdraw()
@@ -260,7 +260,7 @@ class VllmAdapter(VllmRollouts, Adapter):
         return self._source[1]
 
     def take_fetch(self, header: Mapping[str, Any], fetch: Mapping[str, Any]) -> None:
-        """One payload the workers fetch by reference (pull relays: from a parent engine or
+        """One payload the workers fetch by reference (fetch relays: from a parent engine or
         the trainer, checked piece by piece)."""
         self._post("/update_weights", {"update_info": {"round": self.round_id,
                                                        "header": dict(header),
@@ -314,7 +314,7 @@ class VllmAdapter(VllmRollouts, Adapter):
         weightsync backend every name and shape is checked before anything loads (and the delta
         base moves to the new checkpoint), a version older than the one held is refused unless
         `allow_older`, and a backend with an HMAC key needs `signature`
-        (weightsync.signing.checkpoint_signature) or a signed directory; otherwise vLLM's own
+        (weightsync.wire.signing.checkpoint_signature) or a signed directory; otherwise vLLM's own
         reload_weights does it."""
         spec: dict[str, Any] = {"path": str(path), "allow_older": bool(allow_older)}
         if signature is not None:

@@ -10,7 +10,7 @@ weightsync transport and decodes any weightsync encoding, over vLLM's own four-p
   /update_weights {"update_info": {"header": {...}, "fetch": {"url", "token", "nbytes"}}}   one
       payload; the body fetched in binary from the trainer's body server (http; with "relay"
       in the fetch: from the server above this one in a relay chain or tree, checked piece by
-      piece and offered on to the servers below, `weightsync.receiver.pull`), or inline as
+      piece and offered on to the servers below, `weightsync.transports.http.member_fetch`), or inline as
       "body_b64" (http, `bodies: inline`), or placed out of band by the transport (shm,
       collective): then neither
   /collective_rpc {"method": "weightsync_state"} -> the digests of what was staged
@@ -45,12 +45,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weightsync.errors import PayloadError
-from weightsync.receiver import read_checkpoint
-from weightsync.signing import load_key
+from weightsync.wire.checkpoint import read_checkpoint
+from weightsync.wire.signing import load_key
 
 from .guard import INSECURE_ENV, TOKEN_ENV, check_root, insecure, load_roots, load_token
 from .relaying import relay_server
-from .staging import CheckpointIndex, Round, build_encoding, build_receiver
+from .staging import CheckpointIndex, StagedRound, build_encoding, build_receiver
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -93,7 +93,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.encoding: Any = None
         self.rx: Any = None
         self.next_version: int | None = None
-        self.round: Round | None = None
+        self.round: StagedRound | None = None
         self.committed: int | None = None
         self.round_id: str | None = None          # the live round (None: none)
         self.lease = 10.0
@@ -110,7 +110,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                         f"${INSECURE_ENV} lets anyone who reaches this server's weight-transfer "
                         f"routes change its weights" if self.open else
                         "every weight update is refused until the server is restarted with one")
-        self.relay = relay_server(int(self.parallel_config.rank))   # pull relays: what it feeds
+        self.relay = relay_server(int(self.parallel_config.rank))   # fetch relays: what it feeds
         self.relayed = {"buckets": 0, "from_parent": 0, "from_trainer": 0, "fallbacks": []}
         threading.Thread(target=self._watch, name="weightsync-lease", daemon=True).start()
         log.info("weightsync backend ready: %d checkpoint tensors from %s",
@@ -192,7 +192,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def _load_from_disk(self, spec: dict[str, Any]) -> None:
         """The reference engine's rules: a newer version only (unless `allow_older`), and with
         an HMAC key only a checkpoint signed as that version."""
-        from weightsync.signing import check_checkpoint
+        from weightsync.wire.signing import check_checkpoint
         path = str(spec["path"])
         if self.round is not None:
             raise PayloadError("an update round is open; finish or abort it before reloading from disk")
@@ -263,7 +263,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                                "init_info.plan (the weightsync 'vllm' adapter does this) first")
         if self.round is not None:
             self._ended(self.round)
-        self.round = Round(self.index, self.encoding, self.rx, self.next_version, self.hmac_key)
+        self.round = StagedRound(self.index, self.encoding, self.rx, self.next_version, self.hmac_key)
         self.round.rid = self.round_id
         self.round.relay = self.relayed          # counted across rounds
 
@@ -326,7 +326,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             r.encoding.commit(r.version)
         log.info("weightsync: loaded %d tensors (version %s)", len(r.staged), r.version)
 
-    def _ended(self, r: Round) -> None:
+    def _ended(self, r: StagedRound) -> None:
         """The round is over: stop offering its bodies to the engines it fed."""
         if self.relay is not None:
             for bid in r.offered:

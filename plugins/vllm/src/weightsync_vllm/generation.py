@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from weightsync.errors import ConfigError, EngineError
-from weightsync.httpclient import call, json_of
+from weightsync.net.client import call, json_of
 from weightsync.interfaces import LocalEngine
-from weightsync.sampling import Gate, NotFitting, Sample, SamplingParams
+from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams
 
 from .guard import TOKEN_ENV
 

@@ -28,7 +28,7 @@ import requests
 from weightsync.config import EngineSpec
 from weightsync.errors import EngineError, SyncError
 from weightsync.exporters.lora import adapter_config, adapter_tensors, write_adapter
-from weightsync.httpclient import auth_headers, call, json_of
+from weightsync.net.client import auth_headers, call, json_of
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Where a vLLM worker offers the pieces it checked to the engines it feeds (the `http`
-transport's pull relays, `shape: chain | tree`): a small body server in the worker of rank 0,
+transport's fetch relays, `shape: chain | tree`): a small body server in the worker of rank 0,
 configured from the server's environment.
 
   WEIGHTSYNC_VLLM_RELAY=host[:port]      bind address (default 127.0.0.1:0, a free loopback
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from weightsync.bodyserver import BodyServer
+from weightsync.net.bodyserver import BodyServer
 
 RELAY_ENV = "WEIGHTSYNC_VLLM_RELAY"
 ADVERTISE_ENV = "WEIGHTSYNC_VLLM_RELAY_ADVERTISE"

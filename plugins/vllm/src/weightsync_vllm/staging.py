@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from weightsync.bucket import digest_algo, dtype_from_name
+from weightsync.wire.bucket import digest_algo, dtype_from_name
 from weightsync.errors import PayloadError
 from weightsync.interfaces import Encoding, Payload, TransportReceiver
-from weightsync.signing import check as check_signature
-from weightsync.bucket import combine_digests
-from weightsync.receiver.pull import PullSpec, pull
-from weightsync.receiver import (BodyReader, build_encoding, build_receiver, check_digest,
+from weightsync.wire.signing import check as check_signature
+from weightsync.wire.bucket import combine_digests
+from weightsync.transports.http.member_fetch import FetchSpec, fetch_body
+from weightsync.receive import (BodyReader, build_encoding, build_receiver, check_digest,
                                  check_tensor, decode_checked, payload_nbytes, read_exact,
                                  read_staged, round_digests, stage_from)
 
@@ -110,7 +110,7 @@ def _fresh_for(name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-class Round:
+class StagedRound:
     """One update round: every bucket is received, decoded, checked (names, shapes, dtypes,
     digest) and staged; nothing reaches the model until `tensors()` is loaded at finish."""
 
@@ -151,20 +151,20 @@ class Round:
         """`stage` for a body the worker fetches from the trainer's body server: straight into
         fresh staging tensors, each piece hashed as it lands (raw and cast payloads with xxh3
         digests); other encodings read the body whole and go through `stage`. A fetch with a
-        "relay" part comes through the relay tree (`weightsync.receiver.pull`): from a parent
+        "relay" part comes through the relay tree (`weightsync.transports.http.member_fetch`): from a parent
         engine, checked piece by piece, offered on `server` to the engines this one feeds."""
-        from weightsync.bodyserver import fetch
+        from weightsync.net.bodyserver import fetch
         check_signature(self.hmac_key, int(self.version or 0), header)
         payload = Payload.from_header(header, torch.empty(0, dtype=torch.uint8))
         if int(ref.get("nbytes", -1)) != payload_nbytes(header):
             raise PayloadError(f"bucket {payload.index}: the fetch reference is for "
                                f"{ref.get('nbytes')} bytes, the header says {header.get('nbytes')}")
         cap = self.index.total_bytes() + (16 << 20)
-        spec = PullSpec.parse(ref)
+        spec = FetchSpec.parse(ref)
         if spec is not None:
             if server is None:            # not rank 0: it takes the bytes, feeds no one
                 spec.serve = None
-            got = pull(ref, spec, server, max_bytes=cap, timeout=300.0)
+            got = fetch_body(ref, spec, server, max_bytes=cap, timeout=300.0)
             self.offered += got.offered
             self.relay["buckets"] += 1
             self.relay["from_parent"] += got.from_parent
@@ -196,4 +196,4 @@ class Round:
         return round_digests(self.digests, self.last_index)
 
 
-__all__ = ["CheckpointIndex", "Round", "build_encoding", "build_receiver", "read_safetensors_header"]
+__all__ = ["CheckpointIndex", "StagedRound", "build_encoding", "build_receiver", "read_safetensors_header"]

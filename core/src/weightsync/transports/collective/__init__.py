@@ -21,10 +21,10 @@ announce-ahead state), `layout` (how a payload is cut into broadcasts) and `send
 trainer's half: send buffers, announces, broadcasts and who broke one).
 """
 
-from .layout import body_layout, split_payload
-from .options import LAYOUTS, CollectiveOptions
-from .receiving import CollectiveReceiver, _forget_groups
-from .sending import CollectiveTransport
+from weightsync.transports.collective.layout import body_layout, split_payload
+from weightsync.transports.collective.options import LAYOUTS, CollectiveOptions
+from weightsync.transports.collective.receiving import CollectiveReceiver, _forget_groups
+from weightsync.transports.collective.sending import CollectiveTransport
 
 __all__ = ["LAYOUTS", "CollectiveOptions", "CollectiveReceiver", "CollectiveTransport",
            "_forget_groups", "body_layout", "split_payload"]

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...interfaces import Adapter, Payload
-from .. import pg as pgs
-from .calls import _Call, _spawn
+from weightsync.interfaces import Adapter, Payload
+from weightsync.transports.collective import pg as pgs
+from weightsync.transports.collective.calls import _Call, _spawn
 
 
 @dataclass

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 
-from ...errors import ConfigError, TransportError
-from ...interfaces import Adapter
-from .. import pg as pgs
-from .calls import _Call, _is_timeout, _spawn
-from .options import LAYOUTS
+from weightsync.errors import ConfigError, TransportError
+from weightsync.interfaces import Adapter
+from weightsync.transports.collective import pg as pgs
+from weightsync.transports.collective.calls import _Call, _is_timeout, _spawn
+from weightsync.transports.collective.options import LAYOUTS
 
 log = logging.getLogger("weightsync.transports.collective")
 _BUILDS = itertools.count(1)

@@ -10,10 +10,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from ...errors import PayloadError, TransportError
-from ...interfaces import TransportReceiver
-from .. import pg as pgs
-
+from weightsync.errors import PayloadError, TransportError
+from weightsync.interfaces import TransportReceiver
+from weightsync.transports.collective import pg as pgs
 _GROUPS: dict[str, tuple[pgs.Group, "_Order"]] = {}
 _GROUPS_LOCK = threading.Lock()
 

@@ -12,15 +12,15 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from ...errors import TransportError
-from ...interfaces import Adapter, Payload, Transport
-from .. import pg as pgs
-from .ahead import AnnounceAhead, _Ahead
-from .calls import _Call, _spawn
-from .group import GroupLifecycle
-from .layout import split_payload
-from .options import CollectiveOptions
-from .receiving import CollectiveReceiver
+from weightsync.errors import TransportError
+from weightsync.interfaces import Adapter, Payload, Transport
+from weightsync.transports.collective import pg as pgs
+from weightsync.transports.collective.ahead import AnnounceAhead, _Ahead
+from weightsync.transports.collective.calls import _Call, _spawn
+from weightsync.transports.collective.group import GroupLifecycle
+from weightsync.transports.collective.layout import split_payload
+from weightsync.transports.collective.options import CollectiveOptions
+from weightsync.transports.collective.receiving import CollectiveReceiver
 
 
 class _Buffer:

@@ -32,9 +32,10 @@ The package: `segments` (the sender's shared buffers, their names and their reap
 trainer's half: buffers used in turn, announces, releases).
 """
 
-from .receiving import ShmReceiver, forget_mappings
-from .segments import GEN_BYTES, NAME_RE, PREFIX, SHM_DIR, Segment, create_cpu_segment, unlink
-from .sending import ShmOptions, ShmTransport
+from weightsync.transports.shm.receiving import ShmReceiver, forget_mappings
+from weightsync.transports.shm.segments import (GEN_BYTES, NAME_RE, PREFIX, SHM_DIR, Segment,
+                                                create_cpu_segment, unlink)
+from weightsync.transports.shm.sending import ShmOptions, ShmTransport
 
 __all__ = ["GEN_BYTES", "NAME_RE", "PREFIX", "SHM_DIR", "Segment", "ShmOptions", "ShmReceiver",
            "ShmTransport", "create_cpu_segment", "forget_mappings", "unlink"]

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ...errors import PayloadError
-from ...interfaces import TransportReceiver
-from .segments import GEN_BYTES, NAME_RE, SHM_DIR
+from weightsync.errors import PayloadError
+from weightsync.interfaces import TransportReceiver
+from weightsync.transports.shm.segments import GEN_BYTES, NAME_RE, SHM_DIR
 
 _MAPS: OrderedDict[str, tuple[Any, torch.Tensor]] = OrderedDict()
 _MAPS_LOCK = threading.Lock()
@@ -56,7 +56,7 @@ def _open_cuda(handle: Mapping[str, Any]) -> torch.Tensor:
     same device allocation (same IPC handle, other offset or size) when it grows a segment, so a
     mapping is cached under the whole geometry, and a stale mapping of the same handle is dropped
     before the new one is opened (torch's own cache would otherwise return the old storage)."""
-    from ..cuda_ipc import open_buffer
+    from weightsync.transports.shm.cuda_ipc import open_buffer
     geometry = tuple(handle.get(k) for k in ("handle", "storage_offset", "storage_bytes",
                                               "tensor_offset", "numel"))
     key = "cuda:" + ":".join(map(str, geometry))

@@ -16,10 +16,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...errors import TransportError
-from ...interfaces import Adapter, Payload, Transport
-from .receiving import ShmReceiver
-from .segments import GEN_BYTES, PREFIX, Segment, create_cpu_segment, unlink
+from weightsync.errors import TransportError
+from weightsync.interfaces import Adapter, Payload, Transport
+from weightsync.transports.shm.receiving import ShmReceiver
+from weightsync.transports.shm.segments import (GEN_BYTES, PREFIX, Segment, create_cpu_segment)
 
 log = logging.getLogger("weightsync.transports.shm")
 
@@ -73,7 +73,7 @@ class ShmTransport(Transport):
         seg.drop()
         size = max(nbytes, 1)
         if self.device == "cuda":
-            from ..cuda_ipc import export_buffer
+            from weightsync.transports.shm.cuda_ipc import export_buffer
             seg.tensor = torch.empty(size, dtype=torch.uint8, device="cuda")
             seg.ipc = export_buffer(seg.tensor)
         else:

@@ -1,0 +1,192 @@
+"""The registry's state: members, their leases, versions and states. Small on purpose: it is
+rebuilt from registrations when the registry restarts (members register again at their next
+heartbeat), so nothing here needs to outlive a process.
+
+Every registration gets a credential of its own (a random token): heartbeats, updates and
+deregistering name the member *and* carry its credential, so holding the fleet key lets a process
+register itself, never act as another member. A name stays bound to its credential until the
+member deregisters or its lease lapses.
+
+States: `live` (in every push), `joining` (catching up from a peer; pushes skip it),
+`behind` (could not catch up from a peer; the next push sends it whole tensors),
+`lapsed` (its lease ran out: excluded until it heartbeats or registers again)."""
+
+from __future__ import annotations
+
+import hmac
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from weightsync.config import ComponentRef, EngineSpec
+from weightsync.net.server import Conflict409, HttpError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
+State = Literal["live", "joining", "behind", "lapsed"]
+
+
+class Registration(BaseModel):
+    """What a member sends to register (JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    url: str
+    adapter: ComponentRef = ComponentRef(kind="reference")
+    options: dict[str, Any] = Field(default_factory=dict)
+    api_key: str | None = None
+    group_size: int = Field(1, ge=1, le=4096)
+    version: int | None = Field(None, ge=0)
+    role: Literal["engine", "host"] = "engine"     # host: a disk puller, never pushed to
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"member name {v!r} must be 1-128 letters, digits or _.:@- "
+                             f"(starting with a letter or digit)")
+        return v
+
+    def spec(self) -> EngineSpec:
+        return EngineSpec(url=self.url, name=self.name, api_key=self.api_key, adapter=self.adapter,
+                          options=self.options)
+
+
+@dataclass
+class MemberState:
+    reg: Registration
+    expires: float
+    state: State = "live"
+    version: int | None = None
+    since: float = field(default_factory=time.time)
+    error: str | None = None
+    pulled: int = 0                          # times it caught up from a peer
+    via: str | None = None                   # the peer it last pulled from
+    serving: int = 0                         # joiners pulling from it now
+    credential: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+
+    def owns(self, credential: str | None) -> bool:
+        return isinstance(credential, str) and hmac.compare_digest(
+            credential.encode("utf-8", "surrogateescape"), self.credential.encode())
+
+    def view(self, now: float) -> dict[str, Any]:
+        return {"name": self.reg.name, "url": self.reg.url, "adapter": self.reg.adapter.kind,
+                "role": self.reg.role, "version": self.version, "state": self.state,
+                "lease_left": round(max(0.0, self.expires - now), 3), "since": self.since,
+                "error": self.error, "pulled_from_peer": self.pulled, "via": self.via,
+                "group_size": self.reg.group_size}
+
+
+class Roster:
+    """Members by name, under one lock."""
+
+    def __init__(self, lease: float) -> None:
+        self.lease = lease
+        self.members: dict[str, MemberState] = {}
+        self.current: int | None = None          # the last version a push committed
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+
+    def check_name(self, reg: Registration, credential: str | None = None) -> None:
+        """Refuse a name a live member holds (409), unless `credential` is that member's own
+        (it registers again, e.g. with a new URL after a restart)."""
+        now = time.monotonic()
+        with self.lock:
+            self.expire()
+            old = self.members.get(reg.name)
+            if old is not None and old.state != "lapsed" and not old.owns(credential):
+                raise Conflict409(f"a member named {reg.name!r} is already registered at "
+                                  f"{old.reg.url} (lease left {old.expires - now:.1f}s); pick "
+                                  f"another name, or wait until it deregisters or its lease "
+                                  f"lapses")
+
+    def _member(self, name: str, credential: str | None, check: bool) -> MemberState:
+        m = self.members.get(name)
+        if m is None:
+            raise HttpError(404, f"member {name!r} is not registered (the registry may have "
+                                 f"restarted): register again")
+        if check and not m.owns(credential):
+            raise HttpError(403, f"member {name!r} is registered with another credential: only "
+                                 f"the member that registered a name may heartbeat, update or "
+                                 f"deregister it (send the credential /fleet/register returned)")
+        return m
+
+    def register(self, reg: Registration, credential: str | None = None) -> MemberState:
+        now = time.monotonic()
+        with self.lock:
+            self.check_name(reg, credential)
+            m = MemberState(reg, now + self.lease, version=reg.version)
+            old = self.members.get(reg.name)
+            if old is not None and old.owns(credential):
+                m.credential = old.credential
+            self.members[reg.name] = m
+            self.changed.notify_all()
+            return m
+
+    def heartbeat(self, name: str, version: int | None = None, credential: str | None = None,
+                  check: bool = False) -> MemberState:
+        """`check`: the caller came over the network, so `credential` must be the member's."""
+        with self.lock:
+            m = self._member(name, credential, check)
+            m.expires = time.monotonic() + self.lease
+            if m.state == "lapsed":
+                m.state, m.error = "live", None
+            if version is not None:
+                m.version = version
+                self._caught_up(m)
+            self.changed.notify_all()
+            return m
+
+    def _caught_up(self, m: MemberState) -> None:
+        """A `behind` member that holds the fleet's version (a push reached it, or a pull that
+        raced one) is live again; otherwise nothing would ever take it out of `behind`."""
+        if m.state == "behind" and m.version is not None and self.current is not None \
+                and m.version >= self.current:
+            m.state, m.error = "live", None
+
+    def deregister(self, name: str, credential: str | None = None, check: bool = False) -> None:
+        with self.lock:
+            self._member(name, credential, check)
+            del self.members[name]
+            self.changed.notify_all()
+
+    def expire(self) -> list[str]:
+        """Members whose lease ran out become `lapsed`; returns their names."""
+        now = time.monotonic()
+        out = []
+        with self.lock:
+            for m in self.members.values():
+                if m.state != "lapsed" and now > m.expires:
+                    m.state, m.error = "lapsed", f"lease of {self.lease:g}s lapsed without a heartbeat"
+                    out.append(m.reg.name)
+        return out
+
+    def set_state(self, name: str, state: State, error: str | None = None) -> None:
+        with self.lock:
+            m = self.members.get(name)
+            if m is not None:
+                m.state, m.error = state, error
+                self._caught_up(m)
+                self.changed.notify_all()
+
+    def synced(self, version: int, versions: dict[str, int | None]) -> None:
+        with self.lock:
+            if not versions or any(v == version for v in versions.values()):   # none: published
+                self.current = max(self.current or 0, version)
+            for name, v in versions.items():
+                m = self.members.get(name)
+                if m is not None and v is not None:
+                    m.version = v
+                    self._caught_up(m)
+            self.changed.notify_all()
+
+    def view(self) -> dict[str, Any]:
+        now = time.monotonic()
+        with self.lock:
+            return {"version": self.current, "lease": self.lease,
+                    "members": [m.view(now) for m in sorted(self.members.values(),
+                                                            key=lambda m: m.reg.name)]}

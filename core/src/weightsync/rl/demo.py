@@ -1,0 +1,168 @@
+"""The main job: a GRPO run whose rollouts come from live engines. A tiny causal LM learns a
+counting task (scored by plain code) on CPU; every rollout is sampled by the engines through one
+router URL, with the logprob of every token and the weight version on every sample; the weights
+are pushed after every step, verified and probed.
+
+With the reference engine the fleet changes under the run: two engines register with the
+trainer's registry, one is stopped halfway and started again, and catches up from its peer before
+the next push. Each step prints the mean reward, the sync seconds, the pause window, the
+staleness and the train–inference gap; the run ends with the first and last mean reward and
+fails (exit 1) unless the reward rose by `MARGIN` (a loop whose pushes never reach the engines
+does not). A PNG of the series is written next to the run."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from weightsync.rl.report import MARGIN, first_last, plot, print_step, print_summary
+
+PROMPTS, GROUP, LR, EPOCHS, SEED = 32, 8, 3e-3, 4, 1
+
+
+def _wait(cond: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def run_demo(engine: str = "reference", steps: int = 40, workdir: str | None = None,
+             mode: str = "sync", push: bool = True, plot_path: str | None = None) -> int:
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    png = Path(plot_path) if plot_path else Path.cwd() / f"weightsync-demo-{engine}-{mode}.png"
+    try:
+        return _run(engine, steps, work, mode, push, png)
+    finally:
+        if workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def build_demo_model(model_dir: Path) -> torch.nn.Module:
+    """The demo's policy: a 2-layer Llama over the task's 16 tokens, saved to `model_dir`. One
+    head of 64: vLLM's CPU attention has kernels for head sizes such as 64, not 16."""
+    from weightsync.rl.task import VOCAB
+    from weightsync.testing.models import build_tiny_model
+    torch.manual_seed(0)
+    return build_tiny_model(model_dir, "llama", vocab=VOCAB, hidden=64, intermediate=128,
+                            heads=1, kv_heads=1)
+
+
+def _setup(model_dir: Path) -> tuple[Any, Any]:
+    model = build_demo_model(model_dir)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+
+
+def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) -> int:
+    from weightsync.sync.pipeline import WeightSync
+    from weightsync.plugins import load_components
+    from weightsync.rl.loop import RLLoop
+    from weightsync.rl.task import CountingTask
+    from weightsync.rollout import RolloutRouter, SamplingParams
+    from weightsync.rollout.remote import RouterClient
+
+    components = load_components()
+    adapter = components.adapters.get(engine)
+    model, opt = _setup(work / "model")
+    fleet = engine == "reference"
+    key = "demo-fleet-key-0123456789"
+    config: dict[str, Any] = {
+        "adapter": engine, "exporter": {"kind": "torch", "options": {"bucket_bytes": "256KiB"}},
+        "sync": {"progress": "off", "failure_policy": "continue"}}
+    if mode == "async" and "keep" in adapter.pause_modes:
+        # generation that spans the swap freezes for it and goes on with the new weights
+        # (the loop keeps such samples) instead of being aborted and generated again
+        config["sync"]["pause_mode"] = "keep"
+    started: dict[str, Any] = {}
+    if fleet:
+        config["fleet"] = {"kind": "registry", "options": {"lease": 2.0, "api_key": key}}
+    else:
+        print(f"starting {engine} on the demo model ...", flush=True)
+        started["engine"] = adapter.launch_local(work / "model", work, "engine")
+        config["engines"] = [started["engine"].spec]
+    ok = True
+    with WeightSync.from_config(config, components=components) as sync:
+        def launch(name: str) -> None:
+            args = ["--fleet", sync.fleet_url, "--fleet-key", key]
+            started[name] = adapter.launch_local(work / "model", work, name, extra_args=args)
+        if fleet:
+            for n in ("engine-a", "engine-b"):
+                launch(n)
+            _wait(lambda: len(sync.fleet.members()) == 2, 30)
+        client = sync.rollout_client()
+        with RolloutRouter(client) as router:
+            print(f"engines: {', '.join(started)}; rollouts through the router at {router.url}"
+                  + (f"; fleet registry at {sync.fleet_url}" if fleet else "") + f"; workdir {work}")
+            rc = RouterClient(router.url)
+            loop = RLLoop(model, opt, sync if push else _NoPush(sync), rc.sample,
+                          CountingTask(seed=1), SamplingParams(n=GROUP, temperature=1.0,
+                                                               max_new_tokens=4, seed=SEED),
+                          prompts_per_step=PROMPTS, mode=mode, epochs=EPOCHS,
+                          busy=lambda: _busy(sync))
+            stats = []
+            stop_at = steps // 2
+            try:
+                for st in loop.run(steps):
+                    stats.append(st)
+                    print_step(st)
+                    ok &= st.error is None or not push
+                    # the control run (no pushes) has no version for engine-b to catch up to
+                    if fleet and push and st.step == stop_at:
+                        ok &= _restart(started, launch, sync, st.step)
+            finally:
+                for e in started.values():
+                    e.stop()
+    first, last = first_last(stats)
+    rose = last - first >= MARGIN
+    ok &= rose
+    print_summary(stats, loop.idle_fraction(), first, last, mode)
+    print(f"plot: {plot(stats, png, f'{engine}, {mode}')}")
+    if not rose:
+        print(f"the reward did not rise by {MARGIN}: {first:.3f} -> {last:.3f}")
+    print("demo: OK" if ok else "demo: FAILED")
+    return 0 if ok else 1
+
+
+def _busy(sync: Any) -> dict[str, float]:
+    """Seconds each engine has spent generating (engines that report it)."""
+    out = {}
+    for a in sync.adapters:
+        try:
+            b = a.busy_seconds()
+        except Exception:  # noqa: BLE001 - an engine that does not answer is left out
+            continue
+        if b is not None:
+            out[a.engine_name] = b
+    return out
+
+
+def _restart(started: dict[str, Any], launch: Callable[[str], None], sync: Any, step: int) -> bool:
+    started["engine-b"].stop()               # SIGTERM: it deregisters
+    print(f"        engine-b stopped after step {step}; engine-a serves the rollouts alone")
+    launch("engine-b")
+    caught = _wait(lambda: any(m.name == "engine-b" and m.version == step
+                               for m in sync.fleet.members()), 60)
+    print(f"        engine-b started again at version 0 and caught up to version {step} from its "
+          f"peer (digests checked)" if caught else "        engine-b did not catch up in time")
+    return caught
+
+
+class _NoPush:
+    """A loop whose pushes never reach the engines (`--no-push`): the control run that must fail."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+
+    def push(self, model: Any, version: int) -> None:
+        return None
+
+    def record_gap(self, *a: Any) -> None:
+        self.sync.record_gap(*a)

@@ -1,0 +1,112 @@
+"""The probe: after a commit, each engine that can score a sequence scores a fixed probe sequence
+and the trainer compares the logprobs with its own. Byte digests prove the bytes; the probe
+proves what the engine computes with them (a name mapped to the wrong tensor, a layout bug in the
+engine's load path, weights changed after the commit). An engine over the tolerance is reported
+`failed` at stage `probe`, and asked to serve no gated request until a later push passes.
+
+The trainer's logprobs need a causal LM it can run (a module whose output has `.logits`); a state
+dict or another model is not probed ("auto") or fails the push ("on")."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from weightsync.config import ProbeSettings
+from weightsync.errors import WeightSyncError
+from weightsync.interfaces import Adapter
+from weightsync.interfaces.sampling import Unsupported
+from weightsync.sync.report import SyncReport
+
+log = logging.getLogger("weightsync.sync.probe")
+
+
+def probe_ids(vocab: int, length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(0, vocab, (length,), generator=g)]
+
+
+def vocab_of(model: Any) -> int | None:
+    emb = getattr(model, "get_output_embeddings", None)
+    if not callable(emb) or emb() is None:
+        return None
+    return int(emb().weight.shape[0])
+
+
+@torch.no_grad()
+def trainer_logprobs(model: Any, ids: list[int]) -> list[float]:
+    """The trainer's own logprob of each token of `ids` after the first (eval mode, float32)."""
+    was = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        x = torch.tensor([ids], device=device)
+        lp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
+        return [float(v) for v in lp.gather(1, x[0, 1:, None])[:, 0].cpu()]
+    finally:
+        model.train(was)
+
+
+def tolerance_for(model: Any) -> float:
+    """The default tolerance: tight for a float32 model, looser for 16-bit weights."""
+    dtype = next(model.parameters()).dtype
+    return 0.05 if dtype == torch.float32 else 0.25
+
+
+def gap(mine: list[float], theirs: list[float]) -> dict[str, float]:
+    d = [abs(a - b) for a, b in zip(mine, theirs)]
+    return {"mean": sum(d) / max(len(d), 1), "max": max(d, default=0.0)}
+
+
+def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncReport,
+              settings: ProbeSettings, each: Callable[..., tuple[dict[str, Any], dict[str, Exception]]]
+              ) -> None:
+    """Probe every engine of `adapters` that committed `version`; write each one's gap into the
+    report (`EngineOutcome.probe`) and fail those over the tolerance."""
+    if settings.mode == "off":
+        return
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    vocab = vocab_of(model) if isinstance(model, torch.nn.Module) and not dist else None
+    if vocab is None:
+        why = ("the trainer is distributed (rank 0 alone cannot run the model)" if dist else
+               "the pushed model is not a causal LM the trainer can score")
+        report.probe = f"skipped: {why}"
+        if settings.mode == "on":
+            for o in report.engines.values():
+                if o.ok:
+                    o.fail("probe", f"probe: on, but {why}")
+        return
+    ids = probe_ids(vocab, settings.length, settings.seed)
+    tolerance = settings.tolerance or tolerance_for(model)
+    mine = trainer_logprobs(model, ids)
+    targets = [a for a in adapters if a.scores and (o := report.engines.get(a.engine_name)) is not None
+               and o.ok and o.version == version]
+    answers, fails = each(targets, lambda a: a.score(ids))
+    unprobed: list[str] = []
+    for a in targets:
+        o = report.engines[a.engine_name]
+        err = fails.get(a.engine_name)
+        if isinstance(err, Unsupported) and settings.mode == "auto":
+            unprobed.append(a.engine_name)   # this engine runs no model (weights only)
+            continue
+        if err is not None:
+            o.fail("probe", f"the probe could not be scored: {err}")
+            continue
+        theirs, held = answers[a.engine_name]
+        o.probe = {"version": held, **gap(mine, theirs)}
+        if held != version:
+            o.fail("probe", f"the probe was scored at version {held}, not {version}")
+        elif o.probe["max"] > tolerance:
+            o.fail("probe", f"the engine's logprobs differ from the trainer's by up to "
+                            f"{o.probe['max']:.4g} (mean {o.probe['mean']:.4g}, tolerance "
+                            f"{tolerance:g}): it does not compute with the pushed weights")
+        else:
+            continue
+        try:
+            a.distrust(version, o.error or "probe failed")
+        except WeightSyncError as e:
+            log.warning("%s: could not mark version %d as failing its probe: %s", a.engine_name, version, e)
+    report.probe = (f"{len(targets) - len(unprobed)} engines probed with {len(ids)} tokens"
+                    + (f"; not probed (they cannot score): {', '.join(unprobed)}" if unprobed else ""))

@@ -1,0 +1,150 @@
+"""The trainer's half of the `http` transport's fetch relays: the chain and tree shapes for
+engines that fetch their payload bodies by reference (`Adapter.relay_source`; vLLM's weightsync
+backend) instead of taking them in the request.
+
+Per bucket the trainer plans the same tree as for pushing members (`relay.tree`: one root, each
+member feeds `degree` others), publishes the body on its own body server once for the root, and
+hands every member (over that member's own authenticated channel, `Adapter.take_fetch`) where to
+fetch it: the root from the trainer, every other member from its parent's body server under an
+id and token the trainer chose for this bucket; with it the digest of every piece, which the
+member checks before it keeps or passes on a piece, and a fallback reference to the trainer's
+copy that only this member holds. A member whose parent dies, stalls or sends a piece that does
+not match takes the rest from the trainer and says why in that request; a parent named as
+having sent bad bytes fails the push for itself. The member's half is
+`weightsync.transports.http.member_fetch`."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from weightsync.net.bodyserver import REASON_HEADER, BodyServer
+from weightsync.errors import TransportError
+from weightsync.interfaces import Adapter, Payload
+from weightsync.transports.http.pieces import piece_digests
+from weightsync.transports.http.relay import tree
+
+log = logging.getLogger("weightsync.transport.pull")
+
+
+def depths(kids: Mapping[str, list[str]], root: str) -> dict[str, int]:
+    out, todo = {root: 0}, [root]
+    while todo:
+        n = todo.pop(0)
+        for c in kids.get(n, []):
+            out[c] = out[n] + 1
+            todo.append(c)
+    return out
+
+
+class FetchRelays:
+    """The fetch relays of one transport: its body server, the plan per bucket, and what went
+    around the tree (`events`: members that took bytes from the trainer, and why)."""
+
+    def __init__(self, degree: int, piece_bytes: int, stall: float, host: str,
+                 advertise: str | None, timeout: float) -> None:
+        self.degree, self.piece_bytes, self.stall = degree, piece_bytes, stall
+        self.bodies = BodyServer(host, advertise=advertise, timeout=timeout, max_connections=64)
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ws-pull")
+        self.lock = threading.Lock()
+        self.events: list[str] = []
+        self.trainer_fetches = 0             # bodies fetched from the trainer (root + fallbacks)
+
+    def open(self) -> None:
+        with self.lock:
+            self.events = []
+
+    def _note(self, msg: str) -> None:
+        log.info("%s", msg)
+        with self.lock:
+            self.events.append(msg)
+
+    def push(self, payload: Payload, body: Any, members: Sequence[Adapter],
+             left: Callable[[], float]) -> dict[str, BaseException]:
+        """One bucket through the tree over `members`; returns the members that failed (their
+        own fetch, or as a relay that passed on bytes that do not match)."""
+        fails: dict[str, BaseException] = {}
+        sources: dict[str, str] = {}
+        for a in members:                # where each member offers what it fetched
+            try:
+                src = a.relay_source()
+            except Exception as e:  # noqa: BLE001 - that member's own fetch reports it
+                log.info("engine %s: no relay source: %s", a.engine_name, e)
+                src = None
+            if src is not None:
+                sources[a.engine_name] = src
+        by = {a.engine_name: a for a in members}
+        names = [n for n in by if n in sources]
+        kids = tree(names, self.degree)
+        parent = {c: p for p, cs in kids.items() for c in cs}
+        depth = depths(kids, names[0]) if names else {}
+        pieces = piece_digests(body, self.piece_bytes)
+        view = memoryview(body.numpy()) if body.numel() else memoryview(b"")
+        refs: list[dict[str, Any]] = []
+        bad: dict[str, str] = {}
+
+        def fallback_of(n: str) -> Callable[[Mapping[str, str]], None]:
+            def seen(headers: Mapping[str, str]) -> None:
+                why = str(headers.get(REASON_HEADER, "") or "no reason given")
+                with self.lock:
+                    self.trainer_fetches += 1
+                self._note(f"bucket {payload.index}: {n} took bytes from the trainer ({why})")
+                if why.startswith("tampered:") and n in parent:
+                    bad[parent[n]] = n
+            return seen
+
+        def counted(_: Mapping[str, str]) -> None:
+            with self.lock:
+                self.trainer_fetches += 1
+
+        serve = {n: {"id": secrets.token_hex(8), "token": secrets.token_urlsafe(16),
+                     "fetches": sum(by[c].group_size() for c in kids[n])}
+                 for n in names if kids[n]}
+        specs: dict[str, dict[str, Any]] = {}
+        for n in names:
+            if n == names[0]:
+                src = self.bodies.publish(view, fetches=by[n].group_size(), on_fetch=counted)
+                refs.append(src)
+                fallback = None
+            else:
+                p = serve[parent[n]]
+                src = {"url": f"{sources[parent[n]]}?id={p['id']}", "token": p["token"],
+                       "nbytes": len(view)}
+                fallback = self.bodies.publish(view, fetches=by[n].group_size(),
+                                               on_fetch=fallback_of(n))
+                refs.append(fallback)
+            # deeper members wait longer, so the one under a stalled relay recovers (from the
+            # trainer) before those below it give up too
+            specs[n] = {**src, "relay": {
+                "pieces": pieces, "piece_bytes": self.piece_bytes, "parent": parent.get(n, "the trainer"),
+                "stall": self.stall * (1 + 0.5 * depth[n]), "serve": serve.get(n),
+                "fallback": fallback}}
+        header = payload.header()
+        futures = {n: self.pool.submit(by[n].take_fetch, header, specs[n]) for n in names}
+        for n, a in by.items():
+            if n not in sources:             # no source: it takes its own copy from the trainer
+                ref = self.bodies.publish(view, fetches=a.group_size(), on_fetch=counted)
+                refs.append(ref)
+                futures[n] = self.pool.submit(a.take_fetch, header, ref)
+        try:
+            for n, f in futures.items():
+                try:
+                    f.result(timeout=max(0.05, left()))
+                except BaseException as e:  # noqa: BLE001 - reported per member
+                    fails[n] = e
+        finally:
+            for ref in refs:
+                self.bodies.withdraw(ref)
+        for p, child in bad.items():
+            fails.setdefault(p, TransportError(
+                f"as a relay it passed bytes of bucket {payload.index} to {child} that do not "
+                f"match the digests the trainer announced; it is not trusted with this version"))
+        return fails
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        self.bodies.close()

@@ -1,0 +1,61 @@
+"""What the trainer and its members agree on when members pass a payload on (relay shapes of the
+`http` transport): the xxh3 digest of every `piece_bytes` slice of a payload body, which the
+trainer announces to each member over that member's own authenticated channel before the bytes
+arrive through a relay, and the acknowledgement a member signs with a key only it and the
+trainer hold (the trainer asks each member over its own channel; the signature is a second
+line of defence)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any, Mapping
+
+import torch
+
+from weightsync.wire.digests import digest_at
+
+PIECE_HEADER = b"weightsync-piece"
+
+
+def piece_digest(address: int, nbytes: int) -> str:
+    """xxh3-128 of `nbytes` of memory at `address` (one piece)."""
+    return digest_at(PIECE_HEADER, address, nbytes)
+
+
+def piece_digests(body: torch.Tensor, piece_bytes: int) -> list[str]:
+    """The digest of each `piece_bytes` slice of a CPU uint8 payload body, in order."""
+    n = body.numel()
+    base = body.data_ptr()
+    return [piece_digest(base + a, min(piece_bytes, n - a)) for a in range(0, n, piece_bytes)] \
+        if n else []
+
+
+def ack(key: str, index: int, status: str, detail: str = "") -> str:
+    """A member's signed answer for bucket `index`: status "ok" (detail: the digest it staged)
+    or "tampered" (detail: the parent that sent bytes not matching the announced digests)."""
+    msg = json.dumps([int(index), status, detail], separators=(",", ":")).encode()
+    return hmac.new(key.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def entry(key: str, index: int, status: str, detail: str = "", error: str = "") -> dict[str, Any]:
+    """One member's signed answer for the trainer."""
+    out: dict[str, Any] = {"status": status, "detail": detail,
+                           "mac": ack(key, index, status, detail)}
+    if error:
+        out["error"] = error
+    return out
+
+
+def checked(key: str, index: int, got: Any) -> tuple[str, str] | None:
+    """(status, detail) of an answer that carries a valid signature, else None (lost, forged,
+    or an unsigned error: the trainer then feeds that member itself)."""
+    if not isinstance(got, Mapping):
+        return None
+    status, detail, mac = got.get("status"), got.get("detail", ""), got.get("mac")
+    if not all(isinstance(x, str) for x in (status, detail, mac)):
+        return None
+    if not hmac.compare_digest(mac, ack(key, index, status, detail)):
+        return None
+    return status, detail

@@ -1,0 +1,211 @@
+"""The trainer's half of the `http` transport's relay shapes (chain, tree): per bucket, plan
+who feeds whom, announce the bucket to every member over its own channel, send the bytes to the
+root only, ask every member for its own signed outcome (over its own channel, never through the
+tree), and feed every member that lacks the bucket (a dead or stalled relay above it, bytes it
+refused) straight from the bucket the trainer still holds, as soon as it says so. The engine's half is
+`weightsync.transports.http.member_relay`; the agreement between them is `weightsync.transports.http.pieces`.
+
+One root, not `degree` roots: every copy that leaves the trainer costs its link a model's
+bytes, and the trainer's link is what the shapes exist to spare (trainer egress ~1 x the model).
+Degree 1 is the chain: every member's link carries one copy in and one out, so the push takes
+about one copy's time plus a piece per hop. A tree of degree d has log_d(N) hops but its inner
+members send d copies each, so it is slower wherever links, not hops, are the limit."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from typing import Any, Callable, Mapping, Sequence
+
+import requests
+
+from weightsync.errors import TransportError
+from weightsync.net.client import Parts
+from weightsync.interfaces import Adapter, Payload
+from weightsync.transports.http.pieces import checked, piece_digests
+from weightsync.transports.http.member_relay import RELAY_HEADER
+from weightsync.wire.frame import frame
+
+log = logging.getLogger("weightsync.transport.relay")
+
+
+def tree(names: Sequence[str], degree: int) -> dict[str, list[str]]:
+    """Children per member: names[0] is the root, member k feeds members k*d+1 .. k*d+d
+    (breadth first, so the tree is as shallow as the degree allows)."""
+    return {n: [names[c] for c in range(k * degree + 1, min(len(names), k * degree + degree + 1))]
+            for k, n in enumerate(names)}
+
+
+def _below(kids: dict[str, list[str]], name: str) -> list[str]:
+    """Every member under `name` in the tree (not `name` itself)."""
+    out, todo = [], list(kids.get(name, []))
+    while todo:
+        n = todo.pop(0)
+        out.append(n)
+        todo += kids.get(n, [])
+    return out
+
+
+class Relays:
+    """Per round: each member's relay token (lets its parent post to it, this round only) and
+    answer key (signs its outcome; no relay ever sees it)."""
+
+    def __init__(self, degree: int, piece_bytes: int, stall: float) -> None:
+        self.degree, self.piece_bytes, self.stall = degree, piece_bytes, stall
+        self.tokens: dict[str, str] = {}
+        self.keys: dict[str, str] = {}
+        self.pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="ws-relay")
+        self.lock = threading.Lock()
+        self.events: list[str] = []          # what went around the tree (fallbacks, blame)
+
+    def open(self) -> None:
+        with self.lock:
+            self.tokens.clear()
+            self.keys.clear()
+            self.events = []
+
+    def _secret(self, table: dict[str, str], name: str) -> str:
+        with self.lock:
+            return table.setdefault(name, secrets.token_hex(16))
+
+    def _note(self, msg: str) -> None:
+        log.info("%s", msg)
+        with self.lock:
+            self.events.append(msg)
+
+    def _announce(self, payload: Payload, pieces: list[str], names: list[str],
+                  by: dict[str, Adapter], left: Callable[[], float]) -> dict[str, BaseException]:
+        """Tell every member of the tree over `names` what bucket `payload.index` is."""
+        kids = tree(names, self.degree)
+        parent = {c: p for p, cs in kids.items() for c in cs}
+        header = payload.header()
+        targets = {n: by[n].relay_target() for n in names}
+
+        def one(n: str) -> None:
+            by[n].expect({
+                "index": payload.index, "header": header, "pieces": pieces,
+                "piece_bytes": self.piece_bytes, "name": n, "token": self._secret(self.tokens, n),
+                "parent": parent.get(n, "the trainer"),
+                "ack_key": self._secret(self.keys, n), "stall": self.stall, "left": left(),
+                "children": [{"name": c, "url": targets[c].url, "headers": targets[c].headers,
+                              "token": self._secret(self.tokens, c), "verify": by[c].engine.verify}
+                             for c in kids[n]]})
+        futures = {n: self.pool.submit(one, n) for n in names}
+        fails: dict[str, BaseException] = {}
+        for n, f in futures.items():
+            try:
+                f.result(timeout=max(0.05, left()))
+            except BaseException as e:  # noqa: BLE001 - that member is fed directly instead
+                fails[n] = e
+        return fails
+
+    def push(self, payload: Payload, body: Any, members: list[Adapter],
+             post: Callable[[Adapter, Any, float], Any], direct: Callable[[Adapter], None],
+             left: Callable[[], float]) -> dict[str, BaseException]:
+        """One bucket through the tree over `members` (see the module docstring): every member
+        is asked for its own outcome, and one that lacks the bucket is fed directly as soon as
+        it says so. Returns the members that could not be fed at all, and relays that
+        forwarded tampered bytes."""
+        by = {a.engine_name: a for a in members}
+        pieces = piece_digests(body, self.piece_bytes)
+        names = list(by)
+        refused = self._announce(payload, pieces, names, by, left)
+        if refused:                         # plan again without them (their expects failed)
+            names = [n for n in names if n not in refused]
+            if names:
+                refused.update(self._announce(payload, pieces, names, by, left))
+                names = [n for n in names if n not in refused]
+        kids = tree(names, self.degree)
+        parent = {c: p for p, cs in kids.items() for c in cs}
+        fails: dict[str, BaseException] = {}
+        waits = {self.pool.submit(self._answer, by[n], payload.index, left): n for n in names}
+        if names:                           # the root's POST: None, or why it could not be sent
+            waits[self.pool.submit(self._feed_root, payload, body, by[names[0]], post, left)] = ""
+        jobs: dict[str, Future] = {}
+
+        def feed(n: str, reason: str) -> None:
+            if n in jobs:
+                return
+            self._note(f"bucket {payload.index}: {n} fed directly by the trainer ({reason})")
+            jobs[n] = self.pool.submit(direct, by[n])
+            jobs[n].reason = reason  # type: ignore[attr-defined]
+
+        def unreachable(n: str, why: str) -> None:
+            """A member that cannot be reached relays nothing: its whole subtree now."""
+            feed(n, why)
+            for c in _below(kids, n):
+                feed(c, f"relay {n} above it cannot be reached")
+        for n in by:
+            if n in refused:
+                feed(n, f"its announcement failed: {type(refused[n]).__name__}: {refused[n]}")
+        for w in as_completed(waits, timeout=None):
+            n = waits[w]
+            try:
+                got = w.result()
+            except BaseException as e:  # noqa: BLE001 - asked again by the direct send
+                unreachable(n, f"no answer: {type(e).__name__}: {e}")
+                continue
+            if not n:
+                if got is not None:
+                    unreachable(names[0], f"the trainer's copy could not be sent: {got}")
+                continue
+            if n in jobs:                   # fed directly already: its relay was dropped
+                continue
+            status = checked(self.keys.get(n, ""), payload.index, got)
+            if status == ("ok", payload.digest):
+                continue
+            if status is not None and status[0] == "tampered" and n in parent:
+                p = parent[n]
+                self._note(f"bucket {payload.index}: {n} refused bytes relayed by {p}")
+                fails[p] = TransportError(
+                    f"as a relay it forwarded bytes of bucket {payload.index} to {n} that do not "
+                    f"match the digests the trainer announced; it is not trusted with this "
+                    f"version")
+            why = got.get("error") if isinstance(got, Mapping) else None
+            if status is None and isinstance(why, str) and why.startswith("stalled:") and n in parent:
+                self._note(f"bucket {payload.index}: relay {parent[n]} stalled feeding {n}")
+            feed(n, str(why or status or "its answer was not signed by it"))
+        for n, f in jobs.items():
+            if n in fails:
+                continue
+            try:
+                f.result(timeout=max(0.05, left()))
+            except BaseException as e:  # noqa: BLE001 - reported per member
+                fails[n] = TransportError(f"bucket {payload.index} did not come through the "
+                                          f"relay tree ({f.reason}), and the trainer's own send "  # type: ignore[attr-defined]
+                                          f"failed too: {type(e).__name__}: {e}")
+        return fails
+
+    def _feed_root(self, payload: Payload, body: Any, root: Adapter,
+                   post: Callable[[Adapter, Any, float], Any], left: Callable[[], float]
+                   ) -> str | None:
+        """The one copy that leaves the trainer. A root that answered (even with a refusal)
+        tells the trainer itself what it lacks; one that could not be reached: why."""
+        t = root.relay_target()
+        try:
+            headers = {**t.headers, RELAY_HEADER: self._secret(self.tokens, root.engine_name),
+                       "Content-Type": "application/octet-stream"}
+            post(root, dict(url=t.url, data=Parts(frame(payload.header(), body)),
+                            headers=headers), max(0.05, left()))
+            return None
+        except requests.ConnectionError as e:
+            return f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - the root's answer says what it lacks
+            log.info("bucket %d to relay root %s: %s: %s", payload.index, root.engine_name,
+                     type(e).__name__, e)
+            return None
+
+    def _answer(self, member: Adapter, index: int, left: Callable[[], float]) -> Mapping[str, Any]:
+        """The member's own outcome, asked over its own channel (a relay cannot hide it); the
+        wait leaves time for a direct send."""
+        return member.relay_answer(index, max(0.05, left() - self.reserve(left())))
+
+    @staticmethod
+    def reserve(left: float) -> float:
+        """Seconds of the push's time kept for feeding members directly after the tree."""
+        return min(left / 3, 60.0)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)

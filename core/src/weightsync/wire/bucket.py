@@ -1,0 +1,166 @@
+"""Buckets: the unit that flows. An ordered group of named tensors plus its digest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+import xxhash
+
+from weightsync.wire.pool import map_threads
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Bare torch name ("bfloat16"), the form every engine protocol uses."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_header(name: str, t: torch.Tensor) -> bytes:
+    """What a tensor's digest hashes before its bytes: its name, dtype and shape."""
+    return f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode()
+
+
+def tensor_hasher(name: str, t: torch.Tensor) -> xxhash.xxh3_128:
+    """An xxh3-128 state that has taken `tensor_header`; fed the tensor's bytes in order (at
+    once or in chunks), its hexdigest is `tensor_digest`."""
+    return xxhash.xxh3_128(tensor_header(name, t))
+
+
+DIGEST_ALGOS = ("xxh3", "mlh")
+
+
+def digest_algo(digest: str) -> str:
+    """Which algorithm made `digest`: `mlh:`-prefixed digests are mlh, bare hex is xxh3."""
+    from weightsync.wire.mlh import PREFIX
+    return "mlh" if digest.startswith(PREFIX) else "xxh3"
+
+
+def tensor_digest(name: str, t: torch.Tensor, algo: str = "xxh3") -> str:
+    """xxh3-128 over one tensor's name, dtype, shape and bytes; with `algo="mlh"` the device-side
+    digest of `weightsync.wire.mlh` (no host copy of a CUDA tensor)."""
+    if algo == "mlh":
+        from weightsync.wire.mlh import mlh_digest
+        return mlh_digest(tensor_header(name, t), t)
+    if algo != "xxh3":
+        raise ValueError(f"unknown digest algorithm {algo!r}; known: {list(DIGEST_ALGOS)}")
+    h = tensor_hasher(name, t)
+    h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def combine_digests(digests: Sequence[str]) -> str:
+    """A group's digest from its tensors' digests, in order (one tensor: its own digest)."""
+    if len(digests) == 1:
+        return digests[0]
+    joined = xxhash.xxh3_128("".join(digests).encode()).hexdigest()
+    return joined if digest_algo(digests[0]) == "xxh3" else digests[0][:4] + joined
+
+
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], algo: str | None = None) -> str:
+    """Equal digests mean bit-equal tensors (names, dtypes, shapes, bytes). Defined over the
+    per-tensor digests so the tensors hash in parallel, and so a sender that already has each
+    tensor's digest gets the group's for free. `algo` None: mlh when the tensors are on a GPU
+    (hashed there), else xxh3; a receiver passes the algorithm of the digest it checks."""
+    named = list(named)
+    if algo is None:
+        algo = "mlh" if any(t.device.type != "cpu" for _, t in named) else "xxh3"
+    if algo == "mlh":       # GPU kernels queue on one stream: one call, one host sync
+        from weightsync.wire.mlh import mlh_digests
+        return combine_digests(mlh_digests([(tensor_header(n, t), t) for n, t in named]))
+    return combine_digests(map_threads(lambda nt: tensor_digest(*nt), named))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver must know to rebuild one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_from_name(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> TensorSpec:
+        return cls(name, dtype_name(t.dtype), tuple(t.shape))
+
+
+@dataclass
+class Bucket:
+    """An ordered group of named tensors of at most `bucket_bytes` (one oversized tensor travels
+    alone). `last` marks the final bucket of a sync."""
+
+    index: int
+    tensors: list[tuple[str, torch.Tensor]]
+    last: bool = False
+    _digest: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.tensors]
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec.of(n, t) for n, t in self.tensors]
+
+    def digest(self) -> str:
+        """Computed once, then cached: the sender hashes each bucket exactly one time."""
+        if self._digest is None:
+            self._digest = digest_tensors(self.tensors)
+        return self._digest
+
+    def with_tensors(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Bucket:
+        return Bucket(self.index, list(tensors), self.last)
