@@ -36,7 +36,7 @@ VERL_VENV  ?= .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.verl-0.9.1
 
-.PHONY: venv vllm-env trl-env verl-env demo test test-core test-plugins test-e2e test-trl test-verl \
+.PHONY: venv vllm-env trl-env verl-env demo lint test test-core test-plugins test-e2e test-trl test-verl \
         test-integrations test-gpu bench bench-gpu clean
 
 venv: $(STAMP)
@@ -84,7 +84,7 @@ demo: venv $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 # unpacking, several minutes) is built while the main run goes on: it is a separate venv, so
 # nothing the running tests import changes under them.
 VERL_LOG := $(VENV)/verl-env.log
-test: venv $(LMDEPLOY_REF) $(VLLM_STAMP) $(TRL_STAMP)
+test: venv $(LMDEPLOY_REF) $(VLLM_STAMP) $(TRL_STAMP) lint
 	$(MAKE) --no-print-directory verl-env > $(VERL_LOG) 2>&1 & build=$$!; \
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) $(if $(PYTEST_ARGS),$(NO5)); rc=$$?; \
 	wait $$build; vrc=$$?; \
@@ -93,6 +93,11 @@ test: venv $(LMDEPLOY_REF) $(VLLM_STAMP) $(TRL_STAMP)
 	$(MAKE) test-verl
 
 test-integrations: test-trl test-verl
+
+# ruff and the type checker over core, plugins and integrations (configured in pyproject.toml)
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # two live vLLM servers shared by every TRL test (about 2 min on 2 cores, mostly their start).
 # Exit status 5 (PYTEST_ARGS="-k ..." selected none of these tests) is not a failure.

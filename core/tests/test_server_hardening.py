@@ -15,7 +15,7 @@ import pytest
 import requests
 from safetensors.torch import save_file
 
-from weightsync.net.server import resolve_key, warn_if_open
+from weightsync.net.keys import resolve_key, warn_if_open
 from weightsync.plugins import load_components
 from weightsync.server.app import make_server
 from weightsync.server.engine import ReferenceEngine

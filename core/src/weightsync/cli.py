@@ -8,7 +8,7 @@ import argparse
 import errno
 import json
 import sys
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter
 
@@ -17,7 +17,8 @@ def _versions() -> str:
     from importlib.metadata import distributions
     seen = {}
     for d in distributions():
-        name = (d.metadata.get("Name") or "").lower().replace("_", "-")
+        # an email Message: typeshed's PackageMetadata declares .get only from Python 3.12
+        name = (cast(Any, d.metadata).get("Name") or "").lower().replace("_", "-")
         if name == "weightsync-core" or name.startswith("weightsync-"):
             seen[name] = d.version
     core = seen.pop("weightsync-core", "not installed")
@@ -83,7 +84,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _route(args: argparse.Namespace) -> int:
-    from weightsync.net.server import resolve_key
+    from weightsync.net.keys import resolve_key
     from weightsync.plugins import load_components
     from weightsync.rollout import RolloutClient, RolloutRouter
     components = load_components()
@@ -137,7 +138,7 @@ def _fleet_serve(args: argparse.Namespace) -> int:
 
 def _fleet_ls(args: argparse.Namespace) -> int:
     from weightsync.fleets.client import RegistryClient
-    from weightsync.net.server import resolve_key
+    from weightsync.net.keys import resolve_key
     view = RegistryClient(args.registry, resolve_key(args.api_key, args.api_key_file,
                                                      env="WEIGHTSYNC_FLEET_KEY")).fleet()
     if args.json:

@@ -8,13 +8,19 @@ import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from weightsync.errors import ConfigError
 from weightsync.sync.metrics import MetricsSettings
+
+if TYPE_CHECKING:
+    from weightsync.interfaces.base import Component
+
+__all__ = ["ByteSize", "ComponentRef", "EngineSpec", "LOCAL_HOSTS", "ProbeSettings", "SyncConfig",
+           "SyncSettings", "build_options", "parse_bytes", "read_config_file"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -168,7 +174,8 @@ def _explain(e: ValidationError) -> str:
                      for err in e.errors())
 
 
-def build_options(cls: type, ref: ComponentRef, kind: str, extra: Mapping[str, Any] | None = None) -> Any:
+def build_options(cls: type[Component], ref: ComponentRef, kind: str,
+                  extra: Mapping[str, Any] | None = None) -> Any:
     options = {**ref.options, **(extra or {})}
     try:
         return cls.Options.model_validate(options)

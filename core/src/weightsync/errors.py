@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+__all__ = ["ConfigError", "EngineError", "EngineUnavailable", "EngineUnreachable", "PayloadError",
+           "PluginError", "SyncError", "TransportError", "WeightSyncError"]
+
 
 class WeightSyncError(Exception):
     """Base class of every error weightsync raises on purpose."""

@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
+__all__ = ["PROJECT", "hookimpl", "hookspec", "register_adapters", "register_bench_rows",
+           "register_commands", "register_encodings", "register_exporters", "register_fleets",
+           "register_peer_sources", "register_transports"]
+
 PROJECT = "weightsync"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

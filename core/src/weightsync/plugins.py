@@ -51,7 +51,8 @@ def _load_entrypoints(pm: pluggy.PluginManager, failed: dict[str, str], only: se
             failed[ep.name] = repr(err)
             continue
         pm.register(plugin, name=ep.name)
-        pm._plugin_distinfo.append((plugin, ep.dist))  # what pluggy's own loader records
+        if ep.dist is not None:         # always set on what entry_points() returns
+            pm._plugin_distinfo.append((plugin, ep.dist))  # what pluggy's own loader records
 
 
 def make_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager:
@@ -79,7 +80,8 @@ C = TypeVar("C")
 
 
 class Registry(Generic[C]):
-    def __init__(self, kind: str, base: type[C], failed: dict[str, str] | None = None) -> None:
+    # `base` is typed `type`, not `type[C]`: the bases are abstract classes
+    def __init__(self, kind: str, base: type, failed: dict[str, str] | None = None) -> None:
         self.kind, self.base = kind, base
         self._classes: dict[str, type[C]] = {}
         self.failed = failed if failed is not None else {}
@@ -166,9 +168,11 @@ class Components:
                 self.failed[impl.plugin_name] = f"{hook}: {err!r}"
 
     def registry(self, kind: str) -> Registry[Any]:
-        return {"exporter": self.exporters, "encoding": self.encodings,
-                "transport": self.transports, "adapter": self.adapters, "fleet": self.fleets,
-                "peer_source": self.peer_sources}[kind]
+        by_kind: dict[str, Registry[Any]] = {
+            "exporter": self.exporters, "encoding": self.encodings,
+            "transport": self.transports, "adapter": self.adapters, "fleet": self.fleets,
+            "peer_source": self.peer_sources}
+        return by_kind[kind]
 
 
 def load_components(pm: pluggy.PluginManager | None = None) -> Components:
@@ -186,6 +190,7 @@ def describe_plugins(components: Components) -> list[dict[str, Any]]:
     out = []
     for name, plugin in components.pm.list_name_plugin():
         dist = dists.get(id(plugin))
+        dist_name: str | None
         top = getattr(plugin, "__name__", "").split(".")[0]
         if name in DEFAULT_PLUGINS:
             dist_name, version = "weightsync-core", _version("weightsync-core")

@@ -96,7 +96,7 @@ def test_a_fleet_actor_that_is_gone(cluster: dict[str, str], cleanup: list, tmp_
 
 def test_a_fleet_that_must_exist_and_does_not(cluster: dict[str, str]) -> None:
     from weightsync import WeightSync
-    from weightsync.ray._ray import ActorGone
+    from weightsync.ray.runtime import ActorGone
     with pytest.raises(ActorGone, match="there is no fleet actor 'nobody' in Ray namespace"):
         WeightSync.from_config({"fleet": {"kind": "ray", "options": {
             "name": "nobody", "namespace": NS, "create": False}}})

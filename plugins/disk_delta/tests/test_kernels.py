@@ -11,7 +11,8 @@ import xxhash
 
 from weightsync.wire.bucket import tensor_digest, tensor_hasher, tensor_header
 from weightsync.errors import PayloadError
-from weightsync_disk_delta import hashing, kernels, positions
+from weightsync.wire import digests as hashing
+from weightsync_disk_delta import kernels, positions
 from weightsync_disk_delta.codec import bits, encode_tensor
 
 

@@ -63,7 +63,9 @@ def _one_core_rows(sd: dict[str, torch.Tensor], repeat: int, log: Callable[[str]
 
     def hashed() -> None:
         for t in sd.values():
-            xxhash.xxh3_128(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+            # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+            xxhash.xxh3_128(
+                t.reshape(-1).view(torch.uint8).numpy()).hexdigest()  # type: ignore[arg-type]
     return [timed("memcpy (1 core)", "reference", n, 1, move, max(3, repeat), None, log),
             timed("xxh3 + copy, one pass (1 core)", "reference", n, 1, fused, max(3, repeat), None, log),
             timed("xxh3 pass over memory (1 core)", "reference", n, 1, hashed, max(3, repeat), None, log)]
@@ -90,7 +92,8 @@ class TcpFloor:
 
     def run(self) -> None:
         idx = self.workers.post(("tcp_recv", self.flat.numel()), only=self.count)
-        view = memoryview(self.flat.numpy())
+        # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+        view = memoryview(self.flat.numpy())  # type: ignore[arg-type]
         threads = [threading.Thread(target=c.sendall, args=(view,)) for c in self.conns]
         for t in threads:
             t.start()
@@ -187,13 +190,13 @@ class Baselines:
 
                 from weightsync.wire.bucket import tensor_digest
                 idx = workers.post(("verified", ("one", n, self.bucket)), only=1)
-                mine = []
+                pending = []
                 with ThreadPoolExecutor(1) as hasher:
                     for i, at in enumerate(range(0, n, self.bucket)):
                         piece = flat[at: at + self.bucket]  # noqa: F821 (del later)
-                        mine.append(hasher.submit(tensor_digest, f"c{i}", piece))
+                        pending.append(hasher.submit(tensor_digest, f"c{i}", piece))
                         pgs.broadcast(groups["one"], piece, 600)
-                    mine = [f.result() for f in mine]
+                    mine = [f.result() for f in pending]
                 if workers.wait(idx)[0] != mine:
                     raise RuntimeError("bare verified broadcast: the digests differ")
             self.rows.append(timed(BARE_VERIFIED, "floor", n, 1, verified, max(3, self.repeat),

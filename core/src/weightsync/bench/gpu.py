@@ -57,6 +57,7 @@ def _receiver(conn: Any) -> None:
             flat = rebuild_cuda_tensor(*arg)
             dst = torch.empty_like(flat)
         elif cmd == "copy":
+            assert flat is not None and dst is not None     # "flat" comes first
             dst.copy_(flat)
             torch.cuda.synchronize()
         elif cmd == "alloc":                    # arg: [(name, dtype, shape)]

@@ -163,7 +163,7 @@ class Bench(Baselines, TransportRows):
         gc.collect()
 
         workers = Workers(R)
-        PIDS[:] = [p.pid for p in workers.procs]
+        PIDS[:] = [p.pid for p in workers.procs if p.pid is not None]    # started: all set
         try:
             specs = [(k, str(t.dtype).removeprefix("torch."), list(t.shape))
                      for k, t in {**sd, **small, **{MOE + k: t for k, t in (moe or {}).items()}}.items()]
@@ -222,7 +222,7 @@ class Bench(Baselines, TransportRows):
             except BaseException:
                 self.__exit__()
                 raise
-            PIDS[:] = [e.proc.pid for e in self.engines]
+            PIDS[:] = [e.proc.pid for e in self.engines if e.proc is not None]    # all started
             return self.engines
 
         def __exit__(self, *exc: object) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["model_bytes", "moe_model", "plan_moe_shapes", "plan_shapes", "small_tensors_model",
+           "synthetic_model"]
+
 # (hidden, intermediate, vocab): Llama/Qwen-like proportions, GQA with 4x fewer kv heads
 _SHAPES = [(4096, 11008, 32000), (2048, 5632, 32000), (1024, 2816, 32000), (512, 1408, 8192),
            (256, 704, 4096), (128, 352, 2048), (64, 176, 1024)]

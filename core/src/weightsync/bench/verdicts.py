@@ -34,10 +34,12 @@ class Bounds:
     def end(self) -> float:
         """core-seconds per byte to verify one end that must also place the bytes (recv into
         place + a hashing pass, or a copy that hashes as it goes)."""
+        assert self.hash is not None and self.fused is not None     # called only when ok
         return min(self.hash, self.fused)
 
     def in_cache(self) -> float:
         """core-seconds per byte to hash bytes that just arrived in cache (fused minus copy)."""
+        assert self.fused is not None and self.copy is not None     # called only when ok
         return max(0.0, self.fused - self.copy)
 
     def seconds(self, raw: Row, extra_cpu: float) -> float:
@@ -71,7 +73,7 @@ def cpu_targets(bench: Bench, by: dict[str, Row]) -> dict[str, Any]:
     if c1 and raw_1:
         bound = round(raw_1.seconds / bd.seconds(raw_1, 2 * raw_1.bytes * bd.end()), 3) if bd.ok else None
         bare = by.get(BARE_VERIFIED)
-        measured = {} if bare is None else {
+        measured: dict[str, Any] = {} if bare is None else {
             "verified_floor": round(raw_1.seconds / bare.seconds, 3),
             "of_verified_floor": round(bare.seconds / c1.seconds, 3)}
         out["collective_1rx_vs_raw_gloo_1rx"] = _target(
@@ -92,6 +94,7 @@ def cpu_targets(bench: Bench, by: dict[str, Row]) -> dict[str, Any]:
     if shm and shm_floor:
         bound = None
         if bd.ok:
+            assert bd.fused is not None
             need = max(shm_floor.seconds, (R + 1) * shm.bytes * bd.fused / bd.cores)
             bound = round(shm_floor.seconds / need, 3)
         out["shm_vs_floor"] = _target(round(shm_floor.seconds / shm.seconds, 3), 0.7, bound=bound,

@@ -40,6 +40,7 @@ def _worker(conn: Any, rank: int) -> None:
     sock: socket.socket | None = None
     while True:
         cmd, arg = conn.recv()
+        out: Any                        # the command's answer
         try:
             if cmd == "quit":
                 conn.send(("ok", None))
@@ -76,7 +77,8 @@ def _worker(conn: Any, rank: int) -> None:
                 out = None
             elif cmd == "tcp_recv":    # arg: nbytes, read into warm memory
                 assert sock is not None
-                view = memoryview(flat[arg].numpy())
+                # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+                view = memoryview(flat[arg].numpy())  # type: ignore[arg-type]
                 got = 0
                 while got < arg:
                     k = sock.recv_into(view[got:], min(arg - got, 1 << 24))
@@ -206,7 +208,7 @@ def unhash() -> None:
     """From now on this process copies without hashing and reports a fixed digest."""
     from weightsync.wire import digests as hashing
     hashing.copy_digest = _copy_only
-    hashing.Digest = _NoDigest  # type: ignore[misc]
+    setattr(hashing, "Digest", _NoDigest)       # a class swapped for a stand-in
 
 
 @contextlib.contextmanager
@@ -219,7 +221,8 @@ def unhashed(on: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
-        hashing.copy_digest, hashing.Digest = real
+        hashing.copy_digest = real[0]
+        setattr(hashing, "Digest", real[1])
 
 
 def unhashed_env(work: Path) -> dict[str, str]:

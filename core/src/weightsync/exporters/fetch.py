@@ -9,7 +9,7 @@ on every rank instead of a hang."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 import torch
 import xxhash
@@ -17,6 +17,9 @@ import xxhash
 from weightsync.exporters.gather import SENDER, Request, Rows, exchange, rows_of
 from weightsync.exporters.plan import (Group, Output, Plan, Source, contiguous_strides,
                                        needed_sources)
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _FALLBACK = "full"
 
@@ -95,7 +98,7 @@ class Fetcher:
         for o in batch:                              # 1. fallback gathers: collectives, plan order
             for s in needed_sources(o):
                 if self.rows.get(s) == _FALLBACK and s not in self.done:
-                    full = s.tensor.full_tensor()
+                    full = cast("DTensor", s.tensor).full_tensor()  # falls back: a DTensor
                     self.done.add(s)
                     if self.sending:
                         self.values[s] = full
@@ -111,7 +114,7 @@ class Fetcher:
                         wanted[s] = len(requests)
                         requests.append(self._whole(s))
                 self.done.add(o.group)
-            elif isinstance(self.rows.get(o.source), Rows):
+            elif o.source is not None and isinstance(self.rows.get(o.source), Rows):
                 s = o.source
                 assert s is not None
                 if o.whole:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import sys
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -151,5 +151,6 @@ def trace(group: Group) -> list[Output]:
         elif shape == src.shape and tuple(t.stride()) == src.strides and t.storage_offset() == 0:
             outs.append(identity(src, name))
         else:
-            outs.append(Output(name, shape, t.dtype, src, tuple(t.stride()), t.storage_offset()))
+            offset = cast(int, t.storage_offset())      # a SymInt only while tracing
+            outs.append(Output(name, shape, t.dtype, src, tuple(t.stride()), offset))
     return outs

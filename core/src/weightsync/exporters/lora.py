@@ -17,11 +17,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
 from weightsync.exporters.plan import Source, is_dtensor
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_config", "adapter_name", "adapter_tensors",
+           "base_model", "merged_sources", "peft_loaded", "write_adapter"]
 
 
 def peft_loaded() -> bool:
@@ -79,8 +82,8 @@ def _inner_path(path: str, layer: Any) -> str:
     """Module path of the layer a (possibly nested) tuner layer finally wraps."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     m, path = layer.base_layer, path + ".base_layer"
-    while isinstance(m, BaseTunerLayer):
-        m, path = m.base_layer, path + ".base_layer"
+    while isinstance(m, BaseTunerLayer):      # peft's tuner layers set base_layer in __init__
+        m, path = cast(Any, m).base_layer, path + ".base_layer"
     return path
 
 

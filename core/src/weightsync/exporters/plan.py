@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeGuard
 
 import torch
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def is_dtensor(t: torch.Tensor) -> bool:
+
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
 
 

@@ -14,7 +14,7 @@ every engine can load it with one call). An iterator is streamed as it comes."""
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, TypeGuard
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +27,9 @@ from weightsync.exporters.fetch import stream
 from weightsync.exporters.names import check_names, checkpoint_names
 from weightsync.exporters.plan import (Output, Plan, Source, identity, mapping_items, module_items,
                                        untie)
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class TorchExporterOptions(BaseModel):
@@ -47,7 +50,7 @@ class TorchExporterOptions(BaseModel):
     of only rank 0, for code that consumes buckets on every rank. The pipeline sends from rank 0."""
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
 
 
@@ -124,7 +127,7 @@ class TorchExporter(Exporter):
         """The names `plan` sends after `name_map` (run on meta tensors: no data is touched)."""
         if name_map is None:
             return [x.name for x in plan.outputs]
-        names = []
+        names: list[str] = []
         for x in plan.outputs:
             meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
             names.extend(n for n, _ in name_map(x.name, meta))

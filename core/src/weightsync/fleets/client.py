@@ -11,6 +11,8 @@ import requests
 from weightsync.errors import WeightSyncError
 from weightsync.net.client import auth_headers, error_text
 
+__all__ = ["RegistryClient", "RegistryError"]
+
 
 class RegistryError(WeightSyncError):
     """The registry refused a request or could not be reached; the message says which."""

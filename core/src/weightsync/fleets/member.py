@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 from weightsync.fleets.client import RegistryClient, RegistryError
 
+__all__ = ["Membership", "wait_healthy"]
+
 log = logging.getLogger("weightsync.fleets")
 
 

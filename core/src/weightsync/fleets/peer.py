@@ -310,5 +310,5 @@ def check_anchor(peer: Mapping[str, Any], version: int, session: Any) -> None:
                            f"digests)")
 
 
-__all__ = ["FORMAT", "HttpPeerSource", "PeerManifest", "SHARE_HEADER", "Shares", "check_anchor",
-           "new_token", "parse_manifest", "pull"]
+__all__ = ["FORMAT", "HttpPeerSource", "MAX_MANIFEST", "PeerManifest", "SHARE_HEADER", "Shares",
+           "check_anchor", "new_token", "parse_manifest", "pull"]

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.config import ComponentRef, EngineSpec
 from weightsync.errors import ConfigError
-from weightsync.net.server import resolve_key
+from weightsync.net.keys import resolve_key
 from weightsync.interfaces import Fleet, Member
 from weightsync.fleets.client import RegistryClient
 
@@ -65,7 +65,7 @@ class RegistryFleet(Fleet):
             self.client = RegistryClient(o.url, key, trainer_key=trainer)
             self.url = o.url
             return
-        from weightsync.net.server import warn_if_open
+        from weightsync.net.keys import warn_if_open
         from weightsync.fleets.service import RegistryService
         require_key(key, o.insecure)
         self.service = RegistryService(components, lease=o.lease, api_key=key,

@@ -37,6 +37,8 @@ from weightsync.interfaces import Adapter, Member
 from weightsync.fleets.catchup import CatchUp
 from weightsync.fleets.roster import MemberState, Registration, Roster
 
+__all__ = ["RegistryService", "routes"]
+
 log = logging.getLogger("weightsync.fleets")
 routes = Routes()
 

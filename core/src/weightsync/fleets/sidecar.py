@@ -11,7 +11,7 @@ import threading
 from typing import Any
 from urllib.parse import urlparse
 
-from weightsync.net.server import resolve_key
+from weightsync.net.keys import resolve_key
 
 log = logging.getLogger("weightsync.fleets")
 
@@ -66,7 +66,7 @@ def _version(adapter: Any) -> int | None:
 
 
 def run_registry(args: Any) -> int:
-    from weightsync.net.server import warn_if_open
+    from weightsync.net.keys import warn_if_open
     from weightsync.plugins import load_components
     from weightsync.fleets.service import RegistryService
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping, TypeGuard
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -112,5 +112,5 @@ class Payload:
         return cls(index, last, header["encoding"], header["digest"], specs, body, dict(meta))
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)

@@ -5,11 +5,13 @@ weight version(s) they were generated with. Plain data: no engine and no transpo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.errors import WeightSyncError
+
+__all__ = ["Gate", "NotFitting", "Sample", "SamplingParams", "StaleEngines", "Unsupported"]
 
 
 class SamplingParams(BaseModel):
@@ -43,7 +45,7 @@ class Gate(BaseModel):
     exact_version: int | None = None
     wait: float = Field(30.0, ge=0.0, le=3600.0)
 
-    def fits(self, version: int | None) -> bool:
+    def fits(self, version: int | None) -> TypeGuard[int]:
         if version is None:
             return False
         return ((self.min_version is None or version >= self.min_version)

@@ -89,7 +89,8 @@ class TransportReceiver(abc.ABC):
     staging as it reads it."""
 
     def __init__(self, options: BaseModel) -> None:
-        self.options = options
+        # typed Any: each kind's receiver reads the fields of its own `Options` model
+        self.options: Any = options
 
     def join(self, info: Mapping[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not join groups")

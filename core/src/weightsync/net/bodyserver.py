@@ -31,6 +31,8 @@ import torch
 from weightsync.errors import PayloadError, TransportError
 from weightsync.net.server import HttpError, Routes, Streamed, make_server
 
+__all__ = ["BodyServer", "Live", "REASON_HEADER", "ROUTE", "TOKEN_HEADER", "fetch"]
+
 TOKEN_HEADER = "Authorization"
 REASON_HEADER = "X-Weightsync-Reason"       # why a relay member fetches from the trainer
 ROUTE = "/weightsync/body"
@@ -113,11 +115,11 @@ class BodyServer:
             body = self._bodies.get(bid)
             ok = body is not None and hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
                                                           f"Bearer {body.token}".encode())
-            if ok:
+            if ok and body is not None:
                 body.left -= 1
                 if body.left <= 0:
                     del self._bodies[bid]
-        if not ok:                  # unknown, withdrawn, already fetched or a wrong token: alike
+        if not ok or body is None:  # unknown, withdrawn, already fetched or a wrong token: alike
             raise HttpError(404, "no such body (it was withdrawn, already fetched, or the token is wrong)")
         n = len(body.view.view if isinstance(body.view, Live) else body.view)
         if not 0 <= offset <= n:
@@ -155,7 +157,9 @@ class BodyServer:
         if isinstance(body, torch.Tensor):
             if body.device.type != "cpu" or not body.is_contiguous():
                 raise ValueError("a published body must be a contiguous CPU tensor")
-            view = memoryview(body.reshape(-1).view(torch.uint8).numpy()) if body.numel() else memoryview(b"")
+            # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+            view = (memoryview(body.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                    if body.numel() else memoryview(b""))
         else:
             view = memoryview(body).cast("B")
         bid, token = secrets.token_hex(8), secrets.token_urlsafe(16)
@@ -180,9 +184,9 @@ class BodyServer:
         """Stop serving one published body (`ref` from publish), or all of them."""
         with self._lock:
             if ref is None:
-                gone = list(self._bodies.values())
+                every = list(self._bodies.values())
                 self._bodies.clear()
-                for b in gone:
+                for b in every:
                     if isinstance(b.view, Live):
                         b.view.fail()
                 return

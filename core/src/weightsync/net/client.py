@@ -9,6 +9,9 @@ import requests
 
 from weightsync.errors import EngineError, EngineUnavailable, EngineUnreachable
 
+__all__ = ["Parts", "auth_headers", "call", "error_text", "forget_connections", "json_of",
+           "session_for"]
+
 
 class Parts:
     """Several byte buffers sent as one body with a Content-Length, without joining them."""

@@ -9,6 +9,8 @@ import os
 import socket
 from pathlib import Path
 
+__all__ = ["is_loopback", "resolve_key", "warn_if_open"]
+
 log = logging.getLogger("weightsync.http")
 
 

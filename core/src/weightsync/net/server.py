@@ -34,7 +34,9 @@ from urllib.parse import parse_qs, urlparse
 from weightsync.errors import PayloadError, WeightSyncError
 from weightsync.net.body import BodyStream
 from weightsync.net.guard import HeadGuard, HeadReader
-from weightsync.net.keys import is_loopback, resolve_key, warn_if_open  # noqa: F401 - their old home
+
+__all__ = ["Conflict409", "Handler", "HttpError", "MiB", "Route", "Routes", "Server", "Streamed",
+           "make_server"]
 
 log = logging.getLogger("weightsync.http")
 MiB = 2**20

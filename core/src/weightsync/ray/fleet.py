@@ -61,7 +61,7 @@ class RayFleet(Fleet):
         return f"fleet actor {self.options.name!r} (Ray namespace {self.options.namespace!r})"
 
     def open(self, components: Any, default_adapter: Any) -> None:
-        from weightsync.ray._ray import connect
+        from weightsync.ray.runtime import connect
         connect(self.options.address)
         if default_adapter is not None:
             self.default_adapter = default_adapter.model_dump(mode="json")
@@ -85,7 +85,7 @@ class RayFleet(Fleet):
         `timeout`). When it is gone: found again by name if someone started it anew, else (with
         `create`) started again for the next push; this call then fails with a FleetError that
         says so."""
-        from weightsync.ray._ray import ActorGone, ActorRestarting, get
+        from weightsync.ray.runtime import ActorGone, ActorRestarting, get
         if self.actor is None:
             raise FleetError(f"{self.what} is not open: call open() first (WeightSync does)")
         until = time.monotonic() + self.options.timeout
@@ -102,7 +102,7 @@ class RayFleet(Fleet):
                 return self._gone(gone, method, args)
 
     def _gone(self, gone: BaseException, method: str, args: tuple) -> Any:
-        from weightsync.ray._ray import ActorGone, get
+        from weightsync.ray.runtime import ActorGone, get
         from weightsync.ray.roster import find_fleet
         try:
             self.actor = find_fleet(self.options.name, self.options.namespace)

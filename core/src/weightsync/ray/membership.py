@@ -9,8 +9,10 @@ import logging
 import threading
 from typing import Any, Callable
 
-from weightsync.ray._ray import ActorGone, get
+from weightsync.ray.runtime import ActorGone, get
 from weightsync.ray.roster import FleetRefused, NotRegistered, find_fleet
+
+__all__ = ["ActorMembership"]
 
 log = logging.getLogger("weightsync.ray")
 

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import IO, Callable
 
+__all__ = ["ManagedProcess", "PR_SET_PDEATHSIG", "crash_actor"]
+
 log = logging.getLogger("weightsync.ray")
 
 PR_SET_PDEATHSIG = 1

@@ -17,7 +17,7 @@ from typing import Any
 
 from weightsync.config import ComponentRef
 from weightsync.errors import WeightSyncError
-from weightsync.ray._ray import ActorGone, connect, get, require_ray
+from weightsync.ray.runtime import ActorGone, connect, get, require_ray
 
 log = logging.getLogger("weightsync.ray")
 

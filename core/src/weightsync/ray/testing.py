@@ -22,7 +22,7 @@ POLICY = {"model": "weightsync.ray.testing:build_policy",
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.mlp = nn.Module()
+        self.mlp: Any = nn.Module()         # a bare namespace: its submodules are set below
         self.mlp.up_proj = nn.Linear(HIDDEN, 2 * HIDDEN, bias=False)
         self.mlp.down_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
         self.input_layernorm = nn.LayerNorm(HIDDEN)
@@ -37,7 +37,7 @@ class TinyPolicy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.model = nn.Module()
+        self.model: Any = nn.Module()       # a bare namespace: its submodules are set below
         self.model.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
         self.model.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.model.norm = nn.LayerNorm(HIDDEN)

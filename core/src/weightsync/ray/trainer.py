@@ -26,7 +26,7 @@ import torch
 
 from weightsync.errors import SyncError, WeightSyncError
 from weightsync.sync.report import SyncReport
-from weightsync.ray._ray import ActorGone, free_port, get, node_ip, reason, short
+from weightsync.ray.runtime import ActorGone, free_port, get, node_ip, reason, short
 from weightsync.ray.engine import placement
 
 log = logging.getLogger("weightsync.ray")

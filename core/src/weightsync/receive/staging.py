@@ -182,7 +182,9 @@ def read_staged(payload: Payload, reader: BodyReader,
             d = Digest(tensor_header(name, buf))
             if b > a:
                 base = buf.data_ptr()
-                view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+                # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+                view = memoryview(
+                    buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                 reader.exact(view, lambda off, k: d.update_at(base + off, k))
             out[name] = (buf, d.hexdigest())
     except BaseException:

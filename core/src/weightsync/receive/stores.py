@@ -84,7 +84,15 @@ class DictStore(ModuleStore):
                 self._tensors[name].detach().copy_(t)
 
 
-def check_tensor(store: WeightStore, name: str, t: torch.Tensor) -> torch.Tensor:
+class _Named(Protocol):
+    """What `check_tensor` reads of a store (a checkpoint index has it too)."""
+
+    def get(self, name: str) -> torch.Tensor | None: ...
+
+    def names(self) -> list[str]: ...
+
+
+def check_tensor(store: _Named, name: str, t: torch.Tensor) -> torch.Tensor:
     """The engine's tensor for `name`, or an error saying exactly what does not match."""
     live = store.get(name)
     if live is None:

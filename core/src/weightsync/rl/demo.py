@@ -91,7 +91,9 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
     ok = True
     with WeightSync.from_config(config, components=components) as sync:
         def launch(name: str) -> None:
-            args = ["--fleet", sync.fleet_url, "--fleet-key", key]
+            url = sync.fleet_url
+            assert url is not None              # a registry fleet's
+            args = ["--fleet", url, "--fleet-key", key]
             started[name] = adapter.launch_local(work / "model", work, name, extra_args=args)
         if fleet:
             for n in ("engine-a", "engine-b"):

@@ -62,6 +62,7 @@ class RolloutClient:
             static = [Member(s.name or s.url, s) for s in specs]
             self._source: MembersSource = lambda: static
         else:
+            assert fleet is not None            # one of the two, checked above
             self._source = fleet.members if isinstance(fleet, Fleet) else fleet
         if components is None:
             from weightsync.plugins import load_components

@@ -15,7 +15,7 @@ agent framework talks to one opaque endpoint while engines join, die and fall be
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -97,7 +97,8 @@ class RolloutRouter:
 
     @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
+        # typeshed allows a bytes address (AF_UNIX); a TCP server's is (host, port)
+        host, port = cast("tuple[str, int]", self.server.server_address[:2])
         return f"http://{host}:{port}"
 
     def start(self) -> "RolloutRouter":

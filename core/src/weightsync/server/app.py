@@ -64,9 +64,11 @@ from safetensors.torch import save
 from weightsync.errors import PayloadError
 from weightsync.interfaces.sampling import SamplingParams
 from weightsync.net.server import HttpError, Routes, Server, make_server as make_http_server
-from weightsync.net.server import MiB, resolve_key, warn_if_open
+from weightsync.net.keys import resolve_key, warn_if_open
+from weightsync.net.server import MiB
 from weightsync.wire.frame import read_frame_header
-from weightsync.server.engine import ReferenceEngine, VersionGate
+from weightsync.server.engine import ReferenceEngine
+from weightsync.server.generation import VersionGate
 
 log = logging.getLogger("weightsync.server")
 ROUND_HEADER = "X-Weightsync-Round"

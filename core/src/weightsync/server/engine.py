@@ -25,7 +25,7 @@ from weightsync.receive import ReceiveSession, check_tensor
 from weightsync.wire.checkpoint import read_checkpoint
 from weightsync.transports.http.member_relay import Desk, relay
 from weightsync.wire.signing import check_checkpoint
-from weightsync.server.generation import Conflict, Generation, VersionGate  # noqa: F401 - re-exported
+from weightsync.server.generation import Conflict, Generation
 from weightsync.server.model import LoadedModel
 from weightsync.server.sampler import Sampler
 

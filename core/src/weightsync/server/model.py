@@ -38,7 +38,8 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
         except ImportError:
             raise SystemExit("this model directory needs transformers to run; "
                              "pip install 'weightsync-core[serve]'") from None
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        model = model.to(device)  # type: ignore[arg-type]  # transformers types .to as unbound
         model.eval()
         return LoadedModel(ModuleStore(model), model, type(model).__name__)
     if not files:

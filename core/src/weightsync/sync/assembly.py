@@ -11,6 +11,9 @@ from weightsync.config import LOCAL_HOSTS, ComponentRef, EngineSpec, SyncConfig,
 from weightsync.errors import ConfigError
 from weightsync.interfaces import Adapter, Encoding, Exporter, Transport
 
+__all__ = ["EnginePlan", "ResolvedConfig", "check_combination", "check_fleet_engines",
+           "check_pause_mode", "plan_engine", "resolve"]
+
 
 @dataclass
 class EnginePlan:

@@ -72,6 +72,7 @@ class Metrics:
             "gap": p.Gauge("weightsync_logprob_gap", "train-inference |d logprob| of rollouts",
                            ["engine", "stat"], registry=reg),
         }
+        assert s.prometheus_port is not None        # started only with a port
         server, _ = p.start_http_server(s.prometheus_port, addr=s.prometheus_host, registry=reg)
         self._server = server
         self.port = server.server_address[1]

@@ -61,8 +61,8 @@ def gap(mine: list[float], theirs: list[float]) -> dict[str, float]:
 
 
 def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncReport,
-              settings: ProbeSettings, each: Callable[..., tuple[dict[str, Any], dict[str, Exception]]]
-              ) -> None:
+              settings: ProbeSettings,
+              each: Callable[..., tuple[dict[str, Any], dict[str, BaseException]]]) -> None:
     """Probe every engine of `adapters` that committed `version`; write each one's gap into the
     report (`EngineOutcome.probe`) and fail those over the tolerance."""
     if settings.mode == "off":
@@ -81,8 +81,9 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
     ids = probe_ids(vocab, settings.length, settings.seed)
     tolerance = settings.tolerance or tolerance_for(model)
     mine = trainer_logprobs(model, ids)
-    targets = [a for a in adapters if a.scores and (o := report.engines.get(a.engine_name)) is not None
-               and o.ok and o.version == version]
+    targets = [a for a in adapters
+               if a.scores and (seen := report.engines.get(a.engine_name)) is not None
+               and seen.ok and seen.version == version]
     answers, fails = each(targets, lambda a: a.score(ids))
     unprobed: list[str] = []
     for a in targets:

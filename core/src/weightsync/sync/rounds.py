@@ -291,7 +291,8 @@ class GroupRound:
             active = self._verify(active, version)
             with clock.timed("commit"):
                 _, fails = self.calls.each(active, lambda a: self._land(a, version))
-            at_pause = {n: e.error for n, e in fails.items() if getattr(e, "stage", None) == "pause"}
+            at_pause = {n: e.error for n, e in fails.items()
+                        if isinstance(e, _Failed) and e.stage == "pause"}
             active = self.drop(active, at_pause, "pause")
             self.begun -= {a.engine_name for a in active}
             fails = {n: getattr(e, "error", e) for n, e in fails.items() if n not in at_pause}

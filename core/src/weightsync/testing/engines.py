@@ -19,6 +19,8 @@ from safetensors.torch import load
 
 import torch
 
+__all__ = ["EngineProcess", "free_port", "running", "start_all"]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -76,7 +78,7 @@ class EngineProcess:
         cmd += self.extra_args
         if self.api_key:
             cmd += ["--api-key", self.api_key]
-        out = subprocess.DEVNULL
+        out: int | IO = subprocess.DEVNULL
         if self.log is not None:
             self._log_fh = open(self.log, "ab")
             out = self._log_fh

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+
+__all__ = ["build_tiny_model", "fill_deterministic", "greedy", "load_trainer_model", "row_values",
+           "tiny_config", "tiny_moe_config"]
 
 
 def tiny_config(arch: Literal["llama", "qwen2"] = "llama", *, vocab: int = 1024, hidden: int = 64,
@@ -58,13 +61,16 @@ def tiny_moe_config(arch: Literal["qwen3_moe", "mixtral"] = "qwen3_moe", *, voca
                     layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
                     dtype: str = "float32"):  # noqa: ANN201
     """A tiny Qwen3-MoE or Mixtral config (transformers holds their experts fused)."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
-    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                  num_experts_per_tok=top_k, tie_word_embeddings=False)
+    from transformers import MixtralConfig, PretrainedConfig, Qwen3MoeConfig
+    common: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        num_experts_per_tok=top_k, tie_word_embeddings=False)
+    cfg: PretrainedConfig
     if arch == "qwen3_moe":
-        cfg = Qwen3MoeConfig(intermediate_size=2 * moe_intermediate,
+        # head_dim: not in Qwen3MoeConfig's typed signature; its **kwargs keep it as an attribute
+        cfg = Qwen3MoeConfig(intermediate_size=2 * moe_intermediate,  # type: ignore[call-arg]
                              moe_intermediate_size=moe_intermediate, num_experts=experts,
                              head_dim=head_dim or hidden // heads, decoder_sparse_step=1,
                              mlp_only_layers=[], **common)

@@ -10,6 +10,10 @@ import xxhash
 
 from weightsync.wire.pool import map_threads
 
+__all__ = ["Bucket", "DIGEST_ALGOS", "DTYPES", "TensorSpec", "combine_digests", "digest_algo",
+           "digest_tensors", "dtype_from_name", "dtype_name", "tensor_bytes", "tensor_digest",
+           "tensor_hasher", "tensor_header"]
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -46,7 +50,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def tensor_header(name: str, t: torch.Tensor) -> bytes:
@@ -161,6 +166,11 @@ class Bucket:
         if self._digest is None:
             self._digest = digest_tensors(self.tensors)
         return self._digest
+
+    def set_digest(self, digest: str) -> None:
+        """For an encoding that hashed every tensor while it encoded them: the bucket's digest
+        (`combine_digests` of the tensors' digests, in order), so nobody hashes the bucket twice."""
+        self._digest = digest
 
     def with_tensors(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Bucket:
         return Bucket(self.index, list(tensors), self.last)

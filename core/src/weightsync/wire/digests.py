@@ -33,6 +33,9 @@ import numpy as np
 import torch
 import xxhash
 
+__all__ = ["BACK_BYTES", "CHUNK_BYTES", "Digest", "FED_BYTES", "JIT", "copy_digest",
+           "copy_digest_many", "digest_at", "jit", "library", "path", "update_address", "warm"]
+
 
 class _H128(ctypes.Structure):
     _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
@@ -55,7 +58,7 @@ def library() -> Any:
         if not _loaded:
             _loaded = True
             try:
-                from xxhash import _xxhash
+                from xxhash import _xxhash  # type: ignore[attr-defined]  # not in xxhash's stubs
                 lib = ctypes.CDLL(_xxhash.__file__)
                 lib.XXH3_createState.restype = ctypes.c_void_p
                 lib.XXH3_freeState.argtypes = [ctypes.c_void_p]
@@ -101,7 +104,7 @@ class Digest:
 
     def __init__(self, header: bytes, native: bool = True) -> None:
         lib = library() if native else None
-        self._lib = lib
+        self._lib: Any = lib                # None only when self._py holds the state
         self._py: Any = None
         self.address: int | None = None
         if lib is None:

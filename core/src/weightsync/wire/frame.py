@@ -13,12 +13,16 @@ import torch
 from weightsync.wire.bucket import dtype_from_name, dtype_name
 from weightsync.errors import PayloadError
 
+__all__ = ["SAFETENSORS_DTYPES", "frame", "header_entries", "header_length", "pack", "pack_digest",
+           "packed_size", "parse_header", "read_frame_header", "read_header", "safetensors_layout",
+           "target_dtype", "unframe", "unpack"]
+
 _ST_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+SAFETENSORS_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 _MAX_HEADER = 100 * 2**20
 
 
@@ -145,7 +149,7 @@ def header_entries(header: dict[str, Any], data_bytes: int) -> list[tuple[str, t
     out = []
     for name, info in header.items():
         try:
-            dtype = dtype_from_name(_ST_NAMES[info["dtype"]])
+            dtype = dtype_from_name(SAFETENSORS_DTYPES[info["dtype"]])
             shape, offsets = list(info["shape"]), list(info["data_offsets"])
             if len(offsets) != 2 or not all(_is_int(x) for x in shape + offsets):
                 raise ValueError(f"shape {shape} and data_offsets {offsets} must be integers")
@@ -208,7 +212,8 @@ def frame(header: dict[str, Any], body: torch.Tensor | bytes | memoryview) -> li
     """HTTP frame: u64 header length, JSON payload header, body. Returned as parts (no join copy)."""
     raw = json.dumps(header, separators=(",", ":")).encode()
     if isinstance(body, torch.Tensor):
-        body = memoryview(body.numpy()) if body.numel() else b""
+        # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+        body = memoryview(body.numpy()) if body.numel() else b""  # type: ignore[arg-type]
     return [struct.pack("<Q", len(raw)), raw, body]
 
 

@@ -1,7 +1,7 @@
 """numba pieces shared by weightsync's compiled loops (imported only through `hashing.jit()`, and
 only when numba is installed: the `fast` extra). The intrinsics take plain integers (addresses,
 lengths), so the compiled code holds no address and stays cacheable; the disk_delta plugin's
-kernels use `_hash` and `_prefetch` from here.
+kernels use `hash_into` and `prefetch` from here.
 
 Both copy loops stream to the destination with non-temporal stores (no read-for-ownership of
 the destination, no cache pollution) and feed an XXH3-128 C state as they go: `hash_stream`
@@ -17,11 +17,13 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+__all__ = ["hash_into", "hash_stream", "prefetch", "stream_then_hash", "warm"]
+
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 
 
 @intrinsic
-def _prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
+def prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
     """llvm.prefetch (read, keep in all cache levels) of the byte at integer address `addr`; a
     prefetch never faults."""
     if not isinstance(addr, types.Integer):
@@ -38,7 +40,7 @@ def _prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _hash(typingctx, fn, state, ptr, n):  # type: ignore[no-untyped-def]
+def hash_into(typingctx, fn, state, ptr, n):  # type: ignore[no-untyped-def]
     """Call the C function at address `fn` as XXH3_128bits_update(state, ptr, n); all four are
     integers, so the compiled code holds no address and stays cacheable."""
     if not all(isinstance(t, types.Integer) for t in (fn, state, ptr, n)):
@@ -123,7 +125,7 @@ def hash_stream(dst, src, n, fn, state, step):  # type: ignore[no-untyped-def]
     non-temporal stores. The digest is of the source's bytes: for a source no one else writes."""
     for s in range(0, n, step):
         k = min(step, n - s)
-        _hash(fn, state, src + s, k)
+        hash_into(fn, state, src + s, k)
         _stream(dst + s, src + s, k)
     _sfence()
 
@@ -138,7 +140,7 @@ def stream_then_hash(dst, src, n, fn, state, step):  # type: ignore[no-untyped-d
         k = min(step, n - s)
         _stream(dst + s, src + s, k)
         _sfence()
-        _hash(fn, state, dst + s, k)
+        hash_into(fn, state, dst + s, k)
 
 
 def warm() -> None:

@@ -11,6 +11,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, TypeVar
 
+__all__ = ["R", "T", "map_threads", "workers"]
+
 T = TypeVar("T")
 R = TypeVar("R")
 

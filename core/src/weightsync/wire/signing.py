@@ -20,6 +20,9 @@ from typing import Any, Mapping
 
 from weightsync.errors import PayloadError
 
+__all__ = ["ENV", "SIGNATURE_FILE", "check", "check_checkpoint", "checkpoint_signature", "load_key",
+           "sign", "sign_checkpoint", "tensor_digests"]
+
 ENV = "WEIGHTSYNC_HMAC_KEY"
 
 

@@ -70,7 +70,7 @@ def use_weightsync(config: ConfigSource = None) -> Installed:
             raise RuntimeError(f"{modname} has no VLLMClient: this TRL is not a version "
                                f"weightsync-trl supports (TRL >=1.16,<1.17)")
         done._restore.append((mod, "VLLMClient", mod.VLLMClient))
-        mod.VLLMClient = cls
+        setattr(mod, "VLLMClient", cls)
     for modname, clsname in TRAINERS:
         try:
             trainer_cls = getattr(importlib.import_module(modname), clsname)

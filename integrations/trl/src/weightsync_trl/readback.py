@@ -21,7 +21,9 @@ def served_digests(url: str) -> dict[str, str]:
 
 
 def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+    # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+    raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(raw).hexdigest()  # type: ignore[arg-type]
 
 
 EMPTY = _sha(torch.empty(0))

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
@@ -78,12 +78,14 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         if master is None:
             raise RuntimeError("no actor worker of the weightsync checkpoint engine is the "
                                "master (is_master=True on the actor's rank 0)")
-        trainer = {"rank": [0] + [-1] * (trainer_world_size - 1),
-                   "world_size": [rollout_world_size + 1] * trainer_world_size,
-                   "master_metadata": [master] * trainer_world_size}
-        rollout = {"rank": list(range(1, rollout_world_size + 1)),
-                   "world_size": [rollout_world_size + 1] * rollout_world_size,
-                   "master_metadata": [master] * rollout_world_size}
+        trainer: dict[str, list[Any]] = {
+            "rank": [0] + [-1] * (trainer_world_size - 1),
+            "world_size": [rollout_world_size + 1] * trainer_world_size,
+            "master_metadata": [master] * trainer_world_size}
+        rollout: dict[str, list[Any]] = {
+            "rank": list(range(1, rollout_world_size + 1)),
+            "world_size": [rollout_world_size + 1] * rollout_world_size,
+            "master_metadata": [master] * rollout_world_size}
         return trainer, rollout
 
     def init_process_group(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
@@ -203,4 +205,4 @@ async def _pulled(sub: Subscriber) -> AsyncIterator[tuple[str, torch.Tensor]]:
         item = await asyncio.to_thread(next, it, done)
         if item is done:
             return
-        yield item
+        yield cast("tuple[str, torch.Tensor]", item)     # anything but `done` is a pulled one

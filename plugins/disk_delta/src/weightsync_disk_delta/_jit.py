@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
-from weightsync.wire.jit import _hash, _prefetch  # shared with core's copy + digest loop
+from weightsync.wire.jit import hash_into, prefetch  # shared with core's copy + digest loop
 
 # nogil: a bucket's tensors run on every core at once (weightsync.wire.pool.map_threads)
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
@@ -52,8 +52,8 @@ def _words(wa, wb, s, e, pos, vals, st, lanes, width, mask):  # type: ignore[no-
     while i + 64 <= e:
         if i <= ahead:
             for q in range(0, 64, 8):                    # one 64-byte line of each per step
-                _prefetch(pa + (i + _AHEAD + q) * 8)
-                _prefetch(pb + (i + _AHEAD + q) * 8)
+                prefetch(pa + (i + _AHEAD + q) * 8)
+                prefetch(pb + (i + _AHEAD + q) * 8)
         bits = _U(0)
         for k in range(64):
             bits |= _U(wa[i + k] != wb[i + k]) << _U(k)
@@ -86,7 +86,7 @@ def scan_fed(wa, wb, size, pos, vals, st, fn, state, step):  # type: ignore[no-u
     for s in range(0, n, step):
         e = min(s + step, n)
         _scan(wa, wb, size, s, e, pos, vals, st)
-        _hash(fn, state, base + s * 8, (e - s) * 8)
+        hash_into(fn, state, base + s * 8, (e - s) * 8)
 
 
 @numba.njit(inline="always")
@@ -192,13 +192,13 @@ def swap_fed(region, idx, vals, old, fn, state, step):  # type: ignore[no-untype
         e = min(s + step, n)
         if e + step <= n:
             for q in range(0, step * size, 64):
-                _prefetch(base + e * size + q)
+                prefetch(base + e * size + q)
         while k < idx.size and idx[k] < e:
             p = idx[k]
             old[k] = region[p]
             region[p] = vals[k]
             k += 1
-        _hash(fn, state, base + s * size, (e - s) * size)
+        hash_into(fn, state, base + s * size, (e - s) * size)
 
 
 @numba.njit(**_JIT)
@@ -221,7 +221,7 @@ def warm() -> None:
         swap(a, pos[:0], vals, old, 0, 0)
         swap_fed(a[:0], pos[:0], vals, old, 0, 0, 1)
         put(a, pos, vals, 0, 0)
-    for t in (np.uint8, np.uint16):
-        small = np.zeros(0, t)
+    for u in (np.uint8, np.uint16):
+        small = np.zeros(0, u)
         gaps(np.zeros(0, np.int64), 255, small, np.zeros(0, np.int32))
         ungap(small, np.zeros(0, np.int32), np.zeros(0, np.int64), 0)

@@ -175,7 +175,8 @@ class Agent:
         (it checked every manifest on the way), for an engine that holds the key too."""
         import inspect
         path = str(self.local.model_dir)
-        load = self.adapter.load_from_disk       # type: ignore[union-attr]
+        # an engine's own load_from_disk may take `signature` too (asked below)
+        load: Callable[..., None] = self.adapter.load_from_disk  # type: ignore[union-attr]
         if self.hmac_key is not None and "signature" in inspect.signature(load).parameters:
             from weightsync.wire.signing import checkpoint_signature
             load(path, v, signature=checkpoint_signature(self.hmac_key, path, v))

@@ -38,7 +38,7 @@ def _agent(args: argparse.Namespace) -> int:
 
     from .agent import Agent
     from .layout import load_hook
-    from weightsync.net.server import resolve_key
+    from weightsync.net.keys import resolve_key
     adapter = _adapter(args.engine, args.url, resolve_key(args.api_key, args.api_key_file,
                                                           env="WEIGHTSYNC_ENGINE_KEY"))
     from weightsync.wire.signing import load_key
@@ -50,7 +50,7 @@ def _agent(args: argparse.Namespace) -> int:
         import socket
 
         from weightsync.fleets.member import Membership
-        from weightsync.net.server import resolve_key
+        from weightsync.net.keys import resolve_key
         url = args.url or "http://127.0.0.1:1"
         member = Membership(args.fleet, resolve_key(args.fleet_key, None, env="WEIGHTSYNC_FLEET_KEY"),
                             {"name": args.name or socket.gethostname(), "url": url,

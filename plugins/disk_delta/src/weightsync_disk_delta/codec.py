@@ -23,7 +23,7 @@ from weightsync.errors import PayloadError
 
 from . import kernels, positions
 from .compare import changed_positions
-from .hashing import Digest
+from weightsync.wire.digests import Digest
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 IDX_SEP = "::"
@@ -85,8 +85,9 @@ def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor | None, *,
     if changed and changed >= xor_min_density * numel \
             and _xor_estimate(nb, bb, zstd_level) < xor_max_ratio * best_bytes:
         x = torch.bitwise_xor(nb, bb)
+        # numpy's stubs give ndarray __buffer__ only on Python 3.12+
         z = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True).compress(
-            memoryview(x.numpy()).cast("B"))
+            memoryview(x.numpy()).cast("B"))  # type: ignore[arg-type]
         del x
         if len(z) < xor_max_ratio * best_bytes:
             best, best_bytes = "xor", len(z)
@@ -109,13 +110,14 @@ def _xor_estimate(nb: torch.Tensor, bb: torch.Tensor, level: int) -> float:
     cz = zstandard.ZstdCompressor(level=level)
     if numel <= 8 * (1 << 16):
         x = torch.bitwise_xor(nb, bb)
-        return len(cz.compress(memoryview(x.numpy()).cast("B")))
+        # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+        return len(cz.compress(memoryview(x.numpy()).cast("B")))  # type: ignore[arg-type]
     span = max(1 << 16, numel // 64)
     total = 0
     for k in range(8):
         s = (numel - span) * k // 7
         x = torch.bitwise_xor(nb[s: s + span], bb[s: s + span])
-        total += len(cz.compress(memoryview(x.numpy()).cast("B")))
+        total += len(cz.compress(memoryview(x.numpy()).cast("B")))  # type: ignore[arg-type]
     return total * numel / (8 * span)
 
 
@@ -173,8 +175,10 @@ def entry_changes(name: str, entry: Mapping[str, Any], arrays: Mapping[str, torc
     bb = bits(cur)
     nbytes = bb.numel() * bb.element_size()
     try:
-        raw = zstandard.ZstdDecompressor().decompress(memoryview(parts[0].contiguous().numpy()).cast("B"),
-                                                      max_output_size=nbytes)
+        # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+        raw = zstandard.ZstdDecompressor().decompress(
+            memoryview(parts[0].contiguous().numpy()).cast("B"),  # type: ignore[arg-type]
+            max_output_size=nbytes)
     except zstandard.ZstdError as e:
         raise PayloadError(f"tensor {name!r}: xor delta does not decompress ({e}); the payload "
                            f"is corrupted") from None

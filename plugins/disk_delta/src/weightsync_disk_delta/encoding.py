@@ -85,7 +85,12 @@ class _Background(threading.Thread):
         return self.seconds
 
 
-os.register_at_fork(before=lambda: [t.join() for t in list(_Background.running)])
+def _join_background() -> None:
+    for t in list(_Background.running):
+        t.join()
+
+
+os.register_at_fork(before=_join_background)
 
 
 def kept_copy(t: torch.Tensor) -> torch.Tensor:
@@ -182,7 +187,7 @@ class DeltaEncoding(Encoding):
             return enc, enc.digest, update
 
         done = map_threads(one, bucket.tensors)      # one tensor per core; numpy/torch free the GIL
-        bucket._digest = combine_digests([d for _, d, _ in done])
+        bucket.set_digest(combine_digests([d for _, d, _ in done]))
         entries: dict[str, Any] = {}
         arrays: list[tuple[str, torch.Tensor]] = []
         changed_total = 0

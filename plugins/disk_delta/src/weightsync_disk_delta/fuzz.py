@@ -275,7 +275,7 @@ def mutated_safetensors(draw: st.DrawFn, data: bytes) -> bytes:
     header, body = split_safetensors(data)
     if draw(st.booleans()):
         names = [k for k in header if k != "__metadata__" and isinstance(header[k], dict)]
-        if names and draw(st.booleans()):
+        if bool(names) and draw(st.booleans()):
             name = draw(st.sampled_from(names))
             entry = header[name]
             field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "name"]))

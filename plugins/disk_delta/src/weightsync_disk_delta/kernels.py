@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import hashing
+from weightsync.wire import digests as hashing
 
 CHUNK_BYTES = 1 << 20          # hashed per step through a Python hash object (the fallback)
 FED_BYTES = 8 << 10            # hashed per step by the compiled loops (hashing.Digest): in L1
@@ -58,7 +58,8 @@ def _plain(a: np.ndarray) -> np.ndarray:
 
 def _feed(hasher: Any, flat: np.ndarray, s: int, e: int) -> None:
     """Hash elements s..e of a flat array (the next chunk of the tensor's bytes)."""
-    hasher.update(memoryview(flat[s:e]).cast("B"))
+    # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+    hasher.update(memoryview(flat[s:e]).cast("B"))  # type: ignore[arg-type]
 
 
 def _fed(hasher: Any) -> int:
@@ -67,7 +68,8 @@ def _fed(hasher: Any) -> int:
 
 
 class Scan(NamedTuple):
-    count: int                          # elements that differ
+    # a field named like tuple.count (a public name, kept): typeshed's method clashes with it
+    count: int  # type: ignore[assignment]  # elements that differ
     idx: torch.Tensor | None            # their int64 positions (None: more than the limit)
     vals: torch.Tensor | None           # their new values (integer bits)
     over8: int                          # gaps between positions above 255 (0 without idx)
@@ -112,7 +114,8 @@ def scan(nb: torch.Tensor, bb: torch.Tensor, limit: int, hasher: Any = None) -> 
 def _scan_numpy(nb: torch.Tensor, bb: torch.Tensor, limit: int, hasher: Any) -> Scan:
     from .compare import changed_positions
     if hasher is not None:
-        hasher.update(memoryview(nb.numpy()).cast("B"))
+        # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+        hasher.update(memoryview(nb.numpy()).cast("B"))  # type: ignore[arg-type]
     idx, count = changed_positions(nb, bb, limit)
     if idx is None:
         return Scan(count, None, None, 0, 0)
@@ -175,11 +178,12 @@ def swap(region: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, hasher: An
     _check_positions(region, idx, vals)
     k = jit()
     if k is None:
-        old = torch.take(region, idx)
+        taken = torch.take(region, idx)
         region.index_put_((idx,), vals)
         if hasher is not None:
-            hasher.update(memoryview(region.numpy()).cast("B"))
-        return old
+            # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+            hasher.update(memoryview(region.numpy()).cast("B"))  # type: ignore[arg-type]
+        return taken
     r, i, v = region.numpy(), _plain(idx.numpy()), _plain(vals.numpy())
     old = np.empty_like(v)
     if _fed(hasher):

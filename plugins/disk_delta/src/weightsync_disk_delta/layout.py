@@ -143,7 +143,7 @@ def manifest_signature(key: bytes, raw: dict) -> str:
     return hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
-def check_signature(key: bytes | None, version: int, raw: bytes) -> None:
+def check_signature(key: bytes | None, version: int, raw: bytes | bytearray) -> None:
     """With a key, the manifest must carry a valid `sig`; PayloadError otherwise."""
     if key is None:
         return

@@ -64,8 +64,8 @@ def tensor_offsets(path: Path) -> dict[str, dict[str, Any]]:
         hlen = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(hlen))
     header.pop("__metadata__", None)
-    from weightsync.wire.frame import _ST_NAMES
-    return {n: {"offset": 8 + hlen + int(info["data_offsets"][0]), "dtype": _ST_NAMES[info["dtype"]],
+    from weightsync.wire.frame import SAFETENSORS_DTYPES
+    return {n: {"offset": 8 + hlen + int(info["data_offsets"][0]), "dtype": SAFETENSORS_DTYPES[info["dtype"]],
                 "shape": [int(d) for d in info["shape"]]} for n, info in header.items()}
 
 
@@ -163,7 +163,8 @@ class LocalCheckpoint:
         buf = np.empty(numel, dtype=_NP_INT[size])
         with open(d / info["file"], "rb") as f:
             f.seek(info["offset"])
-            got = f.readinto(memoryview(buf).cast("B")) if numel else 0
+            # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+            got = f.readinto(memoryview(buf).cast("B")) if numel else 0  # type: ignore[arg-type]
         if got != numel * size:
             raise PayloadError(f"local checkpoint {d / info['file']} is truncated")
         return torch.from_numpy(buf).view(dtype_from_name(info["dtype"])).reshape(info["shape"])

@@ -18,7 +18,7 @@ from weightsync.errors import PayloadError
 
 from . import kernels
 from .change import Change
-from .hashing import Digest
+from weightsync.wire.digests import Digest
 from .joined import map_joined
 from .schema import ITEMSIZE, numel_of
 
@@ -93,7 +93,8 @@ def write_changes(d: Path, changes: Mapping[str, Change], state: Mapping[str, An
                 if replaced is not None:
                     replaced[n] = r.clone()
                 r.copy_(new)
-                h.update(memoryview(r.numpy()).cast("B"))
+                # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+                h.update(memoryview(r.numpy()).cast("B"))  # type: ignore[arg-type]
             else:
                 old = kernels.swap(r, c.idx, c.vals.view(r.dtype), h)
                 if replaced is not None:

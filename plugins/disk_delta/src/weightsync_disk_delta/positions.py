@@ -79,8 +79,8 @@ def decode(name: str, form: str, parts: dict[str, torch.Tensor], count: int, num
             or far.dtype not in (torch.int32, torch.int64) or far.dim() != 1:
         raise PayloadError(f"tensor {name!r}: malformed {form} positions ({small.dtype} "
                            f"{list(small.shape)}, escapes {far.dtype} {list(far.shape)})")
-    idx = kernels.ungap(small.numpy().view(t), far.numpy(), numel)
-    if idx is None:
+    pos = kernels.ungap(small.numpy().view(t), far.numpy(), numel)
+    if pos is None:
         raise PayloadError(f"tensor {name!r}: {form} positions do not match their escapes or run "
                            f"past the tensor's {numel} elements; the payload is corrupted")
-    return torch.from_numpy(idx)
+    return torch.from_numpy(pos)

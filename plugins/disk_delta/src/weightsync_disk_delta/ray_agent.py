@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from weightsync.config import ComponentRef, EngineSpec, build_options
-from weightsync.ray._ray import node_ip, restarted
+from weightsync.ray.runtime import node_ip, restarted
 from weightsync.ray.engine import EngineStartError, FleetRef, placement
 from weightsync.ray.membership import ActorMembership
 from weightsync.ray.process import ManagedProcess, crash_actor

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
                       field_validator, model_validator)
@@ -29,7 +29,10 @@ ITEMSIZE: dict[str, int] = {n: d.itemsize for n, d in DTYPES.items()}
 Digest128 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 Count = Annotated[int, Field(strict=True, ge=0)]
 Dim = Annotated[int, Field(strict=True, ge=0, le=MAX_TENSOR_BYTES)]
-DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    DtypeName = str                 # a Literal of DTYPES' names, built at run time
+else:
+    DtypeName = Literal[tuple(DTYPES)]
 ShardFile = Annotated[str, StringConstraints(pattern=r"^shard-\d{5}\.safetensors$")]
 LocalFile = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}$")]
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from weightsync.errors import PayloadError
 from weightsync.wire.pool import map_threads
-from weightsync.wire.frame import _ST_NAMES, unpack
+from weightsync.wire.frame import SAFETENSORS_DTYPES, unpack
 
 from .codec import keys
 from .layout import Hook, read_shard
@@ -29,7 +29,7 @@ _HEADER_SLACK = 4096                    # the length prefix, "__metadata__", pad
 
 class _HeaderEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    dtype: Annotated[str, Field(pattern="^(" + "|".join(_ST_NAMES) + ")$")]
+    dtype: Annotated[str, Field(pattern="^(" + "|".join(SAFETENSORS_DTYPES) + ")$")]
     shape: Annotated[list[Dim], Field(max_length=8)]
     data_offsets: Annotated[list[Annotated[int, Field(strict=True, ge=0)]],
                             Field(min_length=2, max_length=2)]
@@ -54,18 +54,19 @@ def header_of(data: bytearray | bytes, where: str) -> tuple[int, dict[str, dict[
     out: dict[str, dict[str, Any]] = {}
     for name, info in raw.items():
         try:
-            e = _HeaderEntry.model_validate(info)
+            ent = _HeaderEntry.model_validate(info)
         except ValidationError as err:
             raise PayloadError(f"{where}: header entry {name!r} is malformed: {explain(err)}") from None
-        dtype = _ST_NAMES[e.dtype]
-        a, b = e.data_offsets
+        dtype = SAFETENSORS_DTYPES[ent.dtype]
+        a, b = ent.data_offsets
         numel = 1
-        for d in e.shape:
+        for d in ent.shape:
             numel *= d
         if not a <= b <= len(data) - start or b - a != numel * ITEMSIZE[dtype]:
             raise PayloadError(f"{where}: array {name!r} has data offsets {a}..{b}, which do not "
-                               f"match {dtype} {e.shape} in a {len(data) - start}-byte body")
-        out[name] = {"dtype": dtype, "shape": list(e.shape), "start": start + a, "end": start + b}
+                               f"match {dtype} {ent.shape} in a {len(data) - start}-byte body")
+        out[name] = {"dtype": dtype, "shape": list(ent.shape), "start": start + a,
+                     "end": start + b}
     return start, out
 
 

@@ -4,8 +4,12 @@ optimizer, and a bit-exact comparison."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import pytest
 
 
 class Trainer:
@@ -15,6 +19,7 @@ class Trainer:
 
     def __init__(self, model_dir: Path, lr: float = 3e-6, seed: int = 0, **arch) -> None:
         from weightsync.testing.models import build_tiny_model
+        self.model: Any     # a transformers causal LM (build_tiny_model types it as a Module)
         self.model = build_tiny_model(model_dir, "llama", dtype="bfloat16", seed=seed, **arch).float()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         g = torch.Generator().manual_seed(seed + 1)
@@ -173,10 +178,12 @@ def whole_version(local: Path, states: dict[int, dict[str, torch.Tensor]]) -> in
 KERNEL_PATHS = ["numba", "numba-python-hash", "numpy"]
 
 
-def use_kernel_path(path: str, monkeypatch: "pytest.MonkeyPatch") -> None:  # noqa: F821
+def use_kernel_path(path: str, monkeypatch: "pytest.MonkeyPatch") -> None:
     """numba's kernels feeding the xxHash C state, numba's kernels hashing through Python in
     chunks (where the xxhash package exports no C functions), or numpy/torch without numba."""
-    from . import hashing, kernels
+    from weightsync.wire import digests as hashing
+
+    from . import kernels
     monkeypatch.setattr(kernels, "JIT", path != "numpy")
     if path == "numpy":
         assert kernels.jit() is None

@@ -169,18 +169,21 @@ class DiskDeltaTransport(Transport):
                                  f"the version's first payload was {self._kind} against {self._base}")
         shard = f"shard-{payload.index:05d}.safetensors"
         body = payload.body.cpu() if payload.body.device.type != "cpu" else payload.body
-        data = memoryview(body.numpy()).cast("B") if body.numel() else memoryview(b"")
+        # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+        data = (memoryview(body.numpy()).cast("B")  # type: ignore[arg-type]
+                if body.numel() else memoryview(b""))
         try:
             write_file(self._tmp / shard, data, self.options.fsync)
         except OSError as e:
             raise self._fail(f"writing {shard} of version {self._version}", e) from None
         self._shards.append({"file": shard, "bytes": len(data), "xxh3": file_digest(data)})
         for s in payload.specs:
-            e = entries.get(s.name)
-            if e is None:
+            ent = entries.get(s.name)
+            if ent is None:
                 self._discard()
                 raise TransportError(f"disk_delta: tensor {s.name!r} has no entry in payload {payload.index}")
-            self._tensors[s.name] = {**e, "dtype": s.dtype, "shape": list(s.shape), "shard": shard}
+            self._tensors[s.name] = {**ent, "dtype": s.dtype, "shape": list(s.shape),
+                                     "shard": shard}
         return {}
 
     def _check_base(self, base: int | None) -> None:

@@ -84,7 +84,7 @@ class LmdeployRollouts:
             raise NotFitting(f"engine {self.engine_name}: {why}; the request wants "
                              f"{gate.describe()}", held)
         if params.max_new_tokens == 0:        # LMDeploy refuses max_tokens 0: nothing to generate
-            outs = [([], [], "length")] * params.n
+            outs: list[tuple[list[int], list[float], str]] = [([], [], "length")] * params.n
         else:
             body = generate_body(prompt, params)
             with ThreadPoolExecutor(min(params.n, 16)) as pool:
@@ -126,7 +126,8 @@ def _json(resp: requests.Response) -> Any:
 def _message(body: Any) -> str:
     """LMDeploy's error envelope: {"message", "type", "code", "param", "object"}."""
     if isinstance(body, dict):
-        err = body.get("error") if isinstance(body.get("error"), dict) else body
+        inner = body.get("error")
+        err = inner if isinstance(inner, dict) else body
         if err.get("message"):
             return str(err["message"])
     return str(body)[:500]

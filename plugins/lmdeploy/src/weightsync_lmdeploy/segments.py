@@ -19,7 +19,7 @@ import torch
 
 from weightsync.wire.bucket import dtype_from_name
 from weightsync.errors import PayloadError
-from weightsync.wire.frame import _ST_NAMES, unpack
+from weightsync.wire.frame import SAFETENSORS_DTYPES, unpack
 
 from .serialize import FlattenedTensorMetadata, flattened_metadata
 
@@ -44,7 +44,7 @@ def _layout(body: torch.Tensor) -> tuple[int, list[tuple[str, str, list[int], in
     (hlen,) = struct.unpack("<Q", bytes(body[:8].cpu().numpy()))
     header = json.loads(bytes(body[8: 8 + hlen].cpu().numpy()))
     header.pop("__metadata__", None)
-    rows = [(n, _ST_NAMES[v["dtype"]], [int(d) for d in v["shape"]], int(v["data_offsets"][0]),
+    rows = [(n, SAFETENSORS_DTYPES[v["dtype"]], [int(d) for d in v["shape"]], int(v["data_offsets"][0]),
              int(v["data_offsets"][1])) for n, v in header.items()]
     rows.sort(key=lambda r: r[3])
     return 8 + hlen, rows

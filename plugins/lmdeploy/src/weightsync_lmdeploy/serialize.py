@@ -18,7 +18,7 @@ import copyreg
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -64,12 +64,28 @@ def _dispatch_table() -> dict:
     import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
     from multiprocessing.reduction import ForkingPickler
     table = copyreg.dispatch_table.copy()
-    table.update(ForkingPickler._extra_reducers)
+    table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]  # not in typeshed
     table[torch.UntypedStorage] = _reduce_storage_by_name
     return table
 
 
-class _LmdeployPickler(pickle._Pickler):  # type: ignore[name-defined]
+if TYPE_CHECKING:
+    class _Pickler(pickle._Pickler):
+        """pickle's pure-Python pickler, with the undocumented internals used here (typeshed
+        leaves them out)."""
+
+        proto: int
+        dispatch: ClassVar[dict[type, Callable[..., None]]]
+
+        def save(self, obj: Any) -> None: ...
+        def write(self, data: bytes) -> None: ...
+        def memoize(self, obj: Any) -> None: ...
+        def save_global(self, obj: Any, name: str | None = None) -> None: ...
+else:
+    _Pickler = pickle._Pickler
+
+
+class _LmdeployPickler(_Pickler):
     """ForkingPickler's behaviour (same dispatch table, same protocol), except that classes with
     a `pickle_as` attribute are written as that global (STACK_GLOBAL module name)."""
 

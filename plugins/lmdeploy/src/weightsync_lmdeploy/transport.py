@@ -43,7 +43,7 @@ class LmdeployIpcTransport(Transport):
             self._pool = ThreadPoolExecutor(self.options.parallel, thread_name_prefix="ws-lmdeploy")
         futures = {a.engine_name: self._pool.submit(a.load_payload, payload)  # type: ignore[attr-defined]
                    for a in engines}
-        return {n: f.exception() for n, f in futures.items() if f.exception() is not None}
+        return {n: err for n, f in futures.items() if (err := f.exception()) is not None}
 
     def close(self) -> None:
         if self._pool is not None:

@@ -77,18 +77,19 @@ def flat_bucket(body: torch.Tensor) -> FlatBucket:
         entries.append(FlatEntry(name, dtype, shape, start, end))
     entries.sort(key=lambda e: (e.start, e.end))
     pos = 0
-    for e in entries:
+    for ent in entries:
         numel = 1
-        for d in e.shape:
+        for d in ent.shape:
             numel *= d
-        itemsize = e.torch_dtype.itemsize
-        if e.start != pos or e.end - e.start != numel * itemsize:
-            raise PayloadError(f"tensor {e.name!r}: bytes {e.start}..{e.end} are not contiguous "
-                               f"in wire order; SGLang's flattened_bucket needs them back to back")
-        if e.start % itemsize:
-            raise PayloadError(f"tensor {e.name!r}: byte offset {e.start} is not a multiple of its "
-                               f"itemsize {itemsize} (SGLang rejects it as unaligned)")
-        pos = e.end
+        itemsize = ent.torch_dtype.itemsize
+        if ent.start != pos or ent.end - ent.start != numel * itemsize:
+            raise PayloadError(f"tensor {ent.name!r}: bytes {ent.start}..{ent.end} are not "
+                               f"contiguous in wire order; SGLang's flattened_bucket needs them "
+                               f"back to back")
+        if ent.start % itemsize:
+            raise PayloadError(f"tensor {ent.name!r}: byte offset {ent.start} is not a multiple "
+                               f"of its itemsize {itemsize} (SGLang rejects it as unaligned)")
+        pos = ent.end
     if pos != data.numel():
         raise PayloadError(f"payload data section holds {data.numel()} bytes, its header {pos}")
     return FlatBucket(data, entries)

@@ -27,7 +27,7 @@ import io
 import pickle
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 from torch.multiprocessing import reductions as _red  # registers torch's reducers
@@ -85,7 +85,7 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
 
 def _dispatch_table() -> dict[type, Any]:
     table = dict(copyreg.dispatch_table)
-    table.update(ForkingPickler._extra_reducers)
+    table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]  # not in typeshed
     table[torch.UntypedStorage] = _reduce_storage_by_filename
     for cls in list(table):
         if isinstance(cls, type) and issubclass(cls, torch.Tensor):
@@ -95,7 +95,23 @@ def _dispatch_table() -> dict[type, Any]:
     return table
 
 
-class SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+if TYPE_CHECKING:
+    class _Pickler(pickle._Pickler):
+        """pickle's pure-Python pickler, with the undocumented internals used here (typeshed
+        leaves them out)."""
+
+        proto: int
+        dispatch: ClassVar[dict[type, Callable[..., None]]]
+
+        def save(self, obj: Any) -> None: ...
+        def write(self, data: bytes) -> None: ...
+        def memoize(self, obj: Any) -> None: ...
+        def save_global(self, obj: Any, name: str | None = None) -> None: ...
+else:
+    _Pickler = pickle._Pickler
+
+
+class SGLangPickler(_Pickler):
     """ForkingPickler's reductions, plus SGLang's two globals written by name."""
 
     def __init__(self, file: io.BytesIO) -> None:

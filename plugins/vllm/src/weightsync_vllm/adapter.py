@@ -64,7 +64,8 @@ def render_update_weights(header: dict[str, Any], body: torch.Tensor,
                           round_id: str | None = None, token: str | None = None) -> tuple[list[Any], str]:
     """The http transport's payload as vLLM's JSON /update_weights body, built as parts (the
     base64 text is the only copy): {"update_info": {"round": id, "header": {...}, "body_b64": "..."}}."""
-    data = memoryview(body.contiguous().numpy()) if body.numel() else b""
+    # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+    data = memoryview(body.contiguous().numpy()) if body.numel() else b""  # type: ignore[arg-type]
     head = (b'{"update_info":{"round":' + json.dumps(round_id).encode()
             + (b',"token":' + json.dumps(token).encode() if token else b"") + b',"header":'
             + json.dumps(header, separators=(",", ":")).encode() + b',"body_b64":"')

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -344,7 +344,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
             try:
-                self.model.load_weights(iter(list(named.items())))
+                # every vLLM model class defines load_weights (typed here as a plain Module)
+                cast(Any, self.model).load_weights(iter(list(named.items())))
             finally:
                 finalize_layerwise_reload(self.model, self.model_config)
 
@@ -392,7 +393,7 @@ def _install_rpc() -> None:
     """Make `weightsync_state` callable through collective_rpc without a worker extension."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
     if not hasattr(WorkerWrapperBase, "weightsync_state"):
-        WorkerWrapperBase.weightsync_state = _weightsync_state
+        setattr(WorkerWrapperBase, "weightsync_state", _weightsync_state)
 
 
 _install_rpc()

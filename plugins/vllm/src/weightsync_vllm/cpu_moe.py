@@ -29,7 +29,7 @@ def patch() -> bool:
     mod = importlib.import_module(MODULE)
     cls = getattr(mod, "UnquantizedFusedMoEMethod", None)
     original = getattr(cls, "_setup_kernel", None)
-    if original is None or getattr(original, "_weightsync_cpu_moe", False):
+    if cls is None or original is None or getattr(original, "_weightsync_cpu_moe", False):
         return False
 
     def _setup_kernel(self: Any, layer: Any, w13: Any, w2: Any) -> None:

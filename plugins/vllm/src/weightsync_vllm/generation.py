@@ -151,7 +151,7 @@ class VllmRollouts:
             raise NotFitting(f"engine {self.engine_name} holds version {held}; the request "
                              f"wants {gate.describe()}", held)
         if params.max_new_tokens == 0:      # vLLM refuses max_tokens 0; nothing to generate
-            out = [([], [], "length")] * params.n
+            out: list[tuple[list[int], list[float], str]] = [([], [], "length")] * params.n
         else:
             body = self._generation_call(completion_body(prompt, params))
             out = parse_choices(self.engine_name, body, params.n)

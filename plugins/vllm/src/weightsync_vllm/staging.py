@@ -127,7 +127,8 @@ class StagedRound:
         self.aborted = False
         self.rid: str | None = None           # the weightsync round this staging belongs to
         self.offered: list[str] = []          # bodies offered to the engines this one feeds
-        self.relay = {"buckets": 0, "from_parent": 0, "from_trainer": 0, "fallbacks": []}
+        self.relay: dict[str, Any] = {"buckets": 0, "from_parent": 0, "from_trainer": 0,
+                                      "fallbacks": []}
 
     def stage(self, header: Mapping[str, Any], body: memoryview | None) -> str:
         check_signature(self.hmac_key, int(self.version or 0), header)
@@ -184,13 +185,13 @@ class StagedRound:
             raise PayloadError(f"bucket {payload.index} names a tensor twice; a tensor is sent once per round")
         staged, digests = fetch(ref, lambda read_into, n: read_staged(
             payload, BodyReader(read_into, n), _fresh_for, self.index.check), max_bytes=cap)
-        got = combine_digests(digests)
-        check_digest(payload, got)
+        digest = combine_digests(digests)
+        check_digest(payload, digest)
         self.staged.update(staged)
-        self.digests[payload.index] = got
+        self.digests[payload.index] = digest
         if payload.last:
             self.last_index = payload.index
-        return got
+        return digest
 
     def end(self) -> dict[int, str]:
         return round_digests(self.digests, self.last_index)

@@ -76,8 +76,9 @@ def start_live(arch: str, root: Path, **server_kw: Any) -> Iterator[Live]:
 def stream_completion(live: Live, n: int) -> tuple[requests.Response, Iterator[dict[str, Any]]]:
     """A streamed greedy completion; returns once the server answered with headers (the chunks
     are read from the returned iterator)."""
-    body = {"model": "model", "prompt": PROMPT, "max_tokens": n, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body: dict[str, Any] = {"model": "model", "prompt": PROMPT, "max_tokens": n,
+                            "temperature": 0.0, "ignore_eos": True, "stream": True,
+                            "return_token_ids": True}
     resp = requests.post(live.server.url + "/v1/completions", json=body, stream=True, timeout=120,
                          headers=live.server.headers())
     resp.raise_for_status()

@@ -57,7 +57,7 @@ class AnnounceAhead:
                         and self._layout(engines) == "safetensors")
             except Exception:  # noqa: BLE001 - send announces it then, and reports what is wrong
                 fits = False
-            if not fits:
+            if not fits or group is None:
                 self._ahead_next = -1           # out of order once: not again this round
                 return
             seq = self._ahead_seq

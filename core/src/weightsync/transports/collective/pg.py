@@ -8,9 +8,12 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ def new_group(store: Any, group_name: str, rank: int, world_size: int, backend: 
     prefixed = PrefixStore(group_name, store)
     kw: dict[str, Any] = {"backend_options": None}
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), prefixed,
-                                      group_name=group_name, timeout=datetime.timedelta(seconds=timeout),
+                                      group_name=cast("GroupName", group_name),
+                                      timeout=datetime.timedelta(seconds=timeout),
                                       **kw)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     # No barrier here: SGLang's and LMDeploy's init_custom_process_group issue none, so one on

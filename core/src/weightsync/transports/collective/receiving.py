@@ -128,13 +128,13 @@ class CollectiveReceiver(TransportReceiver):
             _GROUPS[name] = (pgs.Group(name, pg, store, rank, world, backend), _Order())
 
     def receive(self, header: Mapping[str, Any], body: memoryview | None) -> torch.Tensor:
-        tr = header.get("transport") or {}
+        tr: Mapping[str, Any] = header.get("transport") or {}
         name = tr.get("group_name")
         layout = tr.get("layout", "safetensors")
         if layout != "safetensors":
             raise PayloadError(f"weightsync's receiver takes layout 'safetensors', not {layout!r}")
         with _GROUPS_LOCK:
-            entry = _GROUPS.get(name)
+            entry = _GROUPS.get(name) if name is not None else None
         if entry is None:
             raise PayloadError(f"this engine is not in group {name!r}; the trainer must make it "
                                f"join (/weightsync/join) before announcing broadcasts")

@@ -43,6 +43,8 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
     Options = CollectiveOptions
     requires = "group"
     receiver = CollectiveReceiver
+    # Transport's optional hook, filled by the mixin's method (named here for the type checker)
+    announce_ahead = AnnounceAhead.announce_ahead
 
     def __init__(self, options: BaseModel | None = None) -> None:
         super().__init__(options)
@@ -213,6 +215,7 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         abandoned operation may still read it). The wait wakes on the broadcast's completion or
         an announce's failure, whichever comes first (no polling delay per bucket)."""
         timeout = self.bounded(self.options.timeout)       # never past the push's deadline
+        assert self.group is not None                       # _send checked it
         work = pgs.start_broadcast(self.group.pg, tensor, timeout)
         wake = wake or threading.Event()
         try:

@@ -71,12 +71,12 @@ class FetchRelays:
         sources: dict[str, str] = {}
         for a in members:                # where each member offers what it fetched
             try:
-                src = a.relay_source()
+                offered = a.relay_source()
             except Exception as e:  # noqa: BLE001 - that member's own fetch reports it
                 log.info("engine %s: no relay source: %s", a.engine_name, e)
-                src = None
-            if src is not None:
-                sources[a.engine_name] = src
+                offered = None
+            if offered is not None:
+                sources[a.engine_name] = offered
         by = {a.engine_name: a for a in members}
         names = [n for n in by if n in sources]
         kids = tree(names, self.degree)
@@ -139,8 +139,8 @@ class FetchRelays:
         finally:
             for ref in refs:
                 self.bodies.withdraw(ref)
-        for p, child in bad.items():
-            fails.setdefault(p, TransportError(
+        for relay, child in bad.items():
+            fails.setdefault(relay, TransportError(
                 f"as a relay it passed bytes of bucket {payload.index} to {child} that do not "
                 f"match the digests the trainer announced; it is not trusted with this version"))
         return fails

@@ -25,6 +25,8 @@ from weightsync.errors import PayloadError, TransportError
 from weightsync.transports.http.pieces import piece_digest
 from weightsync.receive.staging import read_exact
 
+__all__ = ["FetchSpec", "Pulled", "Tampered", "fetch_body"]
+
 log = logging.getLogger("weightsync.transports.http.member_fetch")
 
 
@@ -81,7 +83,8 @@ def fetch_body(ref: Mapping[str, Any], spec: FetchSpec, server: BodyServer | Non
         raise PayloadError(f"{len(spec.pieces)} piece digests were announced for a body of {n} "
                            f"bytes in pieces of {spec.piece_bytes}")
     buf = torch.empty(max(n, 1), dtype=torch.uint8)
-    view = memoryview(buf.numpy())[:n]
+    # numpy's stubs give ndarray __buffer__ only on Python 3.12+
+    view = memoryview(buf.numpy())[:n]  # type: ignore[arg-type]
     live = Live(view)
     out = Pulled(view, 0)
     if spec.serve is not None:

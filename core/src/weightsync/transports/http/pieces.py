@@ -54,7 +54,7 @@ def checked(key: str, index: int, got: Any) -> tuple[str, str] | None:
     if not isinstance(got, Mapping):
         return None
     status, detail, mac = got.get("status"), got.get("detail", ""), got.get("mac")
-    if not all(isinstance(x, str) for x in (status, detail, mac)):
+    if not (isinstance(status, str) and isinstance(detail, str) and isinstance(mac, str)):
         return None
     if not hmac.compare_digest(mac, ack(key, index, status, detail)):
         return None

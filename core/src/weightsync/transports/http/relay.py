@@ -23,7 +23,7 @@ import requests
 
 from weightsync.errors import TransportError
 from weightsync.net.client import Parts
-from weightsync.interfaces import Adapter, Payload
+from weightsync.interfaces import Adapter, Endpoint, Payload
 from weightsync.transports.http.pieces import checked, piece_digests
 from weightsync.transports.http.member_relay import RELAY_HEADER
 from weightsync.wire.frame import frame
@@ -46,6 +46,13 @@ def _below(kids: dict[str, list[str]], name: str) -> list[str]:
         out.append(n)
         todo += kids.get(n, [])
     return out
+
+
+def _target(a: Adapter) -> Endpoint:
+    """A relayed member's endpoint (`send` relays only members that have one)."""
+    t = a.relay_target()
+    assert t is not None
+    return t
 
 
 class Relays:
@@ -81,7 +88,7 @@ class Relays:
         kids = tree(names, self.degree)
         parent = {c: p for p, cs in kids.items() for c in cs}
         header = payload.header()
-        targets = {n: by[n].relay_target() for n in names}
+        targets = {n: _target(by[n]) for n in names}
 
         def one(n: str) -> None:
             by[n].expect({
@@ -120,7 +127,8 @@ class Relays:
         kids = tree(names, self.degree)
         parent = {c: p for p, cs in kids.items() for c in cs}
         fails: dict[str, BaseException] = {}
-        waits = {self.pool.submit(self._answer, by[n], payload.index, left): n for n in names}
+        waits: dict[Future[Any], str] = {
+            self.pool.submit(self._answer, by[n], payload.index, left): n for n in names}
         if names:                           # the root's POST: None, or why it could not be sent
             waits[self.pool.submit(self._feed_root, payload, body, by[names[0]], post, left)] = ""
         jobs: dict[str, Future] = {}
@@ -185,6 +193,7 @@ class Relays:
         tells the trainer itself what it lacks; one that could not be reached: why."""
         t = root.relay_target()
         try:
+            assert t is not None                # `send` relays only members that have one
             headers = {**t.headers, RELAY_HEADER: self._secret(self.tokens, root.engine_name),
                        "Content-Type": "application/octet-stream"}
             post(root, dict(url=t.url, data=Parts(frame(payload.header(), body)),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +68,8 @@ def export_buffer(t: torch.Tensor) -> dict[str, Any]:
     if not t.is_cuda or t.dtype != torch.uint8 or not t.is_contiguous():
         raise ValueError("export_buffer takes a contiguous uint8 CUDA tensor")
     share = t.untyped_storage()._share_cuda_()
-    return share_tuple_to_json(share, t.storage_offset(), t.numel())
+    # a SymInt only while tracing: here an int
+    return share_tuple_to_json(share, cast(int, t.storage_offset()), t.numel())
 
 
 def open_buffer(d: Mapping[str, Any]) -> torch.Tensor:

@@ -103,6 +103,7 @@ class ShmTransport(Transport):
         if seg.size < nbytes:
             self._grow(seg, nbytes)
         self._bump(seg)
+        assert seg.tensor is not None            # grown above, or held from an earlier payload
         return seg.tensor[:nbytes]
 
     def _segment_of(self, body: torch.Tensor) -> Segment | None:
@@ -138,6 +139,7 @@ class ShmTransport(Transport):
             assert seg is not None
         if body.is_cuda:
             torch.cuda.current_stream(body.device).synchronize()   # bytes visible to readers
+        assert seg.tensor is not None            # it contains body
         offset = body.data_ptr() - seg.tensor.data_ptr()
         fields: dict[str, Any] = {"offset": offset, "nbytes": body.numel(), "device": body.device.type}
         if seg.ipc is not None:

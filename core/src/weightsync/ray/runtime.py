@@ -10,6 +10,9 @@ from typing import Any
 
 from weightsync.errors import WeightSyncError
 
+__all__ = ["ActorGone", "ActorRestarting", "RayMissing", "connect", "free_port", "get", "node_ip",
+           "reason", "require_ray", "restarted", "short"]
+
 
 class RayMissing(WeightSyncError):
     """Ray is not installed where a Ray component was asked for."""
