@@ -29,6 +29,7 @@ DISTS = {                                   # distribution -> its directory in t
     "weightsync-sglang": "plugins/sglang",
     "weightsync-vllm": "plugins/vllm",
     "weightsync-lmdeploy": "plugins/lmdeploy",
+    "weightsync-bench": "plugins/bench",
 }
 PACKAGES = {dist: "weightsync" if dist == "weightsync-core" else dist.replace("-", "_")
             for dist in DISTS}
@@ -38,6 +39,7 @@ UNDECLARED_OK = {
     "weightsync-core": {
         "triton": "ships with CUDA builds of torch; weightsync.wire.mlh uses torch ops without it",
         "peft": "the LoRA exporter imports it only for a model that is already a PEFT model",
+        "matplotlib": "the demo's plot, only where matplotlib is installed (says so otherwise)",
     },
     "weightsync-vllm": {
         "vllm": "the engine: imported only inside vLLM's own processes (backend, vllm_plugin)",
@@ -315,6 +317,7 @@ PLUGIN_COMPONENTS = {
     "weightsync-sglang": ("sglang", {"adapter:sglang", "transport:sglang_tensor"}),
     "weightsync-vllm": ("vllm", {"adapter:vllm"}),
     "weightsync-lmdeploy": ("lmdeploy", {"adapter:lmdeploy", "transport:lmdeploy_ipc"}),
+    "weightsync-bench": ("bench", set()),
 }
 
 
@@ -377,6 +380,8 @@ def test_installs_alone_imports_everything_and_runs_its_commands(dist: str, alon
     name, components = PLUGIN_COMPONENTS[dist]
     assert components <= set(rows[name]["components"]), rows[name]
     assert rows[name]["version"] == version_of(dist)
+    if dist == "weightsync-bench":
+        assert "--receivers" in run_ok(env, "weightsync", "bench", "--help")
     if dist == "weightsync-disk-delta":
         assert "usage" in run_ok(env, "weightsync-disk-delta", "--help").lower()
         assert "usage" in run_ok(env, "weightsync-disk-delta", "agent", "--help").lower()

@@ -33,7 +33,7 @@ from model import predict
 from model import table as model_table
 from worker import ENCODINGS, SHAPES
 
-from weightsync.bench.harness import save
+from weightsync_bench.harness import save
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def write_model(size: str, path: Path) -> int:
     from safetensors.torch import save_file
-    from weightsync.bench.model import model_bytes, synthetic_model
+    from weightsync_bench.model import model_bytes, synthetic_model
     from weightsync.config import parse_bytes
     sd = synthetic_model(parse_bytes(size))
     path.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.testing.netns import Cluster
+    from weightsync_bench.netns import Cluster
     if "delta" in args.encodings:
         from weightsync.plugins import load_components
         if "delta" not in load_components().encodings:
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from weightsync.testing.netns import NetnsUnavailable, probe
+    from weightsync_bench.netns import NetnsUnavailable, probe
     try:
         probe()
     except NetnsUnavailable as e:

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from weightsync import WeightSync
-from weightsync.bench.measure import DELTA_DENSITY, cpu_seconds, perturbed
-from weightsync.bench.model import model_bytes
+from weightsync_bench.measure import DELTA_DENSITY, cpu_seconds, perturbed
+from weightsync_bench.model import model_bytes
 from weightsync.testing import EngineProcess, start_all
-from weightsync.testing.netns import link_bytes
+from weightsync_bench.netns import link_bytes
 
 from floor import relay_floor
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from weightsync import WeightSync
-from weightsync.bench.measure import drop_cache
+from weightsync_bench.measure import drop_cache
 from weightsync.wire.bucket import digest_tensors
 from weightsync.config import parse_bytes
 from weightsync_disk_delta.agent import Agent

@@ -67,7 +67,7 @@ def test_the_registration_and_tool_hooks_exist() -> None:
     assert hook_specs() == {"register_adapters": ["register"], "register_encodings": ["register"],
                             "register_exporters": ["register"], "register_transports": ["register"],
                             "register_fleets": ["register"], "register_peer_sources": ["register"],
-                            "register_commands": ["subparsers"], "register_bench_rows": ["register"]}
+                            "register_commands": ["subparsers"], "add_hookspecs": ["pluginmanager"]}
     assert HOOKS == sorted(h for h in dir(make_plugin_manager(load_entrypoints=False).hook)
                            if not h.startswith("_"))
 
@@ -293,36 +293,35 @@ def test_hook_register_commands(tmp_path: Path) -> None:
     assert r.returncode == 0 and "say hello" in r.stdout and "validate a sync config" in r.stdout
 
 
-def test_hook_register_bench_rows() -> None:
-    """A plugin's bench rows are found through the hook and land in the run's rows and targets."""
-    import argparse
-    import tempfile
-
-    import torch
-
-    from weightsync.bench import Bench, Row, cpu_targets, timed
-
-    def copy_row(bench: Bench, model: dict[str, torch.Tensor]) -> None:
-        n = sum(t.numel() * t.element_size() for t in model.values())
-        row = timed("copy (plugin)", "reference", n, 1, lambda: {k: t.clone() for k, t in model.items()},
-                    bench.repeat, log=bench.log)
-        bench.rows.append(row)
-        bench.extra_targets["copy_plugin"] = {"value": row.bytes, "target": None, "met": None}
-
-    class Plugin:
-        @hookimpl
-        def register_bench_rows(self, register):
-            register(copy_row)
-
+def test_hook_add_hookspecs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An application's hook, added through `add_hookspecs` while the manager is built, is
+    called on every plugin that implements it; a plugin that implements it optionally loads
+    without the application; an `add_hookspecs` that raises is a failed plugin, not a crash."""
+    (tmp_path / "app_specs_probe.py").write_text(
+        "from weightsync import hookimpl\nfrom weightsync.hookspecs import hookspec\n\n"
+        "class Specs:\n    @hookspec\n    def register_greetings(self, register):\n"
+        "        pass\n\n"
+        "@hookimpl\ndef add_hookspecs(pluginmanager):\n    pluginmanager.add_hookspecs(Specs)\n")
+    (tmp_path / "app_user_probe.py").write_text(
+        "from weightsync import hookimpl\n\n@hookimpl(optionalhook=True)\n"
+        "def register_greetings(register):\n    register('hello')\n")
+    (tmp_path / "app_broken_probe.py").write_text(
+        "from weightsync import hookimpl\n\n@hookimpl\ndef add_hookspecs(pluginmanager):\n"
+        "    raise RuntimeError('broken application')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import weightsync.plugins as plugins_mod
+    builtin = plugins_mod.DEFAULT_PLUGINS
+    monkeypatch.setattr(plugins_mod, "DEFAULT_PLUGINS", ("app_user_probe", *builtin))
+    pm = make_plugin_manager(load_entrypoints=False)        # the user alone: loads
+    assert not pm.hook.register_greetings.has_spec()     # pending, and no error
+    monkeypatch.setattr(plugins_mod, "DEFAULT_PLUGINS", ("app_specs_probe", "app_user_probe",
+                                                         "app_broken_probe", *builtin))
     pm = make_plugin_manager(load_entrypoints=False)
-    pm.register(Plugin(), name="copy-row-plugin")
-    assert Bench.plugin_rows(pm) == [copy_row]
-    bench = Bench(argparse.Namespace(size="1MiB", receivers=1, bucket="1MiB", repeat=2,
-                                     workdir=tempfile.gettempdir()), log=lambda line: None)
-    for fn in Bench.plugin_rows(pm):
-        fn(bench, {"w": torch.ones(512, 512, dtype=torch.bfloat16)})
-    assert [type(r) for r in bench.rows] == [Row] and len(bench.rows[0].runs) == 2
-    assert cpu_targets(bench, {r.name: r for r in bench.rows})["copy_plugin"]["value"] == 512 * 512 * 2
+    found: list[str] = []
+    pm.hook.register_greetings(register=found.append)
+    assert found == ["hello"]
+    assert "broken application" in pm.failed_plugins["app_broken_probe"]
+    assert pm.get_plugin("app_broken_probe") is None
 
 
 # -- what `register` refuses ------------------------------------------------------------------

@@ -118,14 +118,6 @@ def _demo(args: argparse.Namespace) -> int:
                     plot_path=args.plot)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    try:
-        from weightsync.bench import run_bench
-    except ImportError as e:
-        raise UserError(f"the benchmark needs weightsync-core[bench]: {e}") from None
-    return run_bench(args)
-
-
 def _join(args: argparse.Namespace) -> int:
     from weightsync.fleets.sidecar import run_sidecar
     return run_sidecar(args)
@@ -223,21 +215,6 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=int, default=8300, help="port to listen on")
     _key_args(sp, "the router", "WEIGHTSYNC_ROUTER_KEY")
     sp.set_defaults(fn=_route)
-
-    sp = sub.add_parser("bench", help="benchmark transports against baselines and floors "
-                        "(needs weightsync-core[bench])", formatter_class=_FMT)
-    sp.add_argument("--size", default="1GiB", help="model size")
-    sp.add_argument("--receivers", type=int, default=2, help="engine processes")
-    sp.add_argument("--transports", default=None, help="comma list (default: all installed)")
-    sp.add_argument("--bucket", default="64MiB", help="bucket size")
-    sp.add_argument("--json", default=None, help="write results JSON here")
-    sp.add_argument("--png", default=None, help="write a bar chart here (default: next to --json)")
-    sp.add_argument("--repeat", type=int, default=1, help="timed runs per row after one warm-up")
-    sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
-    sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="rows to run: cpu, cuda (GPU rows only), auto (cpu, plus GPU rows when "
-                         "CUDA is available)")
-    sp.set_defaults(fn=_bench)
 
     sp = sub.add_parser("join", help="register an engine that cannot register itself "
                         "with a fleet registry, heartbeat, deregister on exit",

@@ -1,14 +1,15 @@
-"""The hooks: six that register components (assembly only; nothing here runs per bucket), and
-two for tools: subcommands of the `weightsync` command and rows of `weightsync bench`."""
+"""The hooks: six that register components (assembly only; nothing here runs per bucket), one
+for subcommands of the `weightsync` command, and one through which an application adds hooks of
+its own (the bench's rows, for example)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import pluggy
 
-__all__ = ["PROJECT", "hookimpl", "hookspec", "register_adapters", "register_bench_rows",
+__all__ = ["PROJECT", "add_hookspecs", "hookimpl", "hookspec", "register_adapters",
            "register_commands", "register_encodings", "register_exporters", "register_fleets",
            "register_peer_sources", "register_transports"]
 
@@ -51,10 +52,11 @@ def register_peer_sources(register: Callable[[type[PeerSource]], None]) -> None:
 
 
 @hookspec
-def register_bench_rows(register: Callable[[Callable[[Any, dict[str, Any]], None]], None]) -> None:
-    """Register extra rows for `weightsync bench`: each callable gets the running
-    `weightsync.bench.Bench` and its LLM-shaped model, and appends its `Row`s to `bench.rows`
-    (and any conclusions to `bench.extra_targets`), so a plugin measures itself next to core."""
+def add_hookspecs(pluginmanager: pluggy.PluginManager) -> None:
+    """Add an application's own hooks (pytest's `pytest_addhooks`): call
+    `pluginmanager.add_hookspecs(module)`. Called once every plugin is registered, before their
+    hook implementations are checked. A plugin that implements another distribution's hook marks
+    it `@hookimpl(optionalhook=True)`, so it still loads where that distribution is not installed."""
 
 
 @hookspec

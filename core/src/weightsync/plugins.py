@@ -65,6 +65,13 @@ def make_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManage
         _load_entrypoints(pm, pm.failed_plugins, _env_list("WEIGHTSYNC_PLUGINS"))  # type: ignore[attr-defined]
     for modname in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(modname), name=modname)
+    for impl in pm.hook.add_hookspecs.get_hookimpls():  # applications' own hooks, before the check
+        try:
+            impl.function(pluginmanager=pm)
+        except Exception as err:  # a broken application must not take the others down
+            log.warning("weightsync plugin %r failed in add_hookspecs: %r", impl.plugin_name, err)
+            pm.failed_plugins[impl.plugin_name] = f"add_hookspecs: {err!r}"  # type: ignore[attr-defined]
+            pm.unregister(name=impl.plugin_name)
     pm.check_pending()
     if os.environ.get("WEIGHTSYNC_TRACE_PLUGINS"):
         def before(hook_name, impls, kwargs):  # noqa: ANN001

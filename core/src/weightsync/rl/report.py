@@ -69,7 +69,7 @@ def plot(stats: list[StepStats], path: Path, title: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "skipped (matplotlib is not installed: pip install 'weightsync-core[bench]')"
+        return "skipped (matplotlib is not installed: pip install matplotlib)"
     steps = [s.step for s in stats]
     series: list[tuple[str, list[Any]]] = [
         ("mean reward", [s.reward for s in stats]),

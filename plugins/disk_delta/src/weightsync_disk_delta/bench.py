@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from weightsync.bench import DELTA_DENSITY, drop_cache, perturbed, timed
-from weightsync.bench.model import model_bytes
+from weightsync_bench import DELTA_DENSITY, drop_cache, perturbed, timed
+from weightsync_bench.model import model_bytes
 from weightsync.sync.pipeline import WeightSync
 
 from .agent import Agent

@@ -15,7 +15,7 @@ def register_transports(register):  # noqa: ANN001, ANN201
     register(DiskDeltaTransport)
 
 
-@hookimpl
+@hookimpl(optionalhook=True)   # weightsync-bench's hook: only where the bench is installed
 def register_bench_rows(register):  # noqa: ANN001, ANN201
     from .bench import disk_delta_rows
     register(disk_delta_rows)

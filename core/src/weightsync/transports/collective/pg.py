@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+__all__ = ["Group", "broadcast", "default_backend", "finish_broadcast", "forget", "make_store",
+           "new_group", "shutdown", "start_broadcast"]
+
+
 @dataclass
 class Group:
     """One live process group and the store it rendezvoused through."""

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.measure import DELTA_DENSITY, Row, perturbed, push_detail, timed
-from weightsync.bench.model import model_bytes
+from weightsync_bench.measure import DELTA_DENSITY, Row, perturbed, push_detail, timed
+from weightsync_bench.model import model_bytes
 
 
 class TransportRows:
@@ -34,7 +34,7 @@ class TransportRows:
 
     def _transport(self, kind: str, sd: dict[str, torch.Tensor], engines: list[Any], label: str,
                    verify: bool = True) -> Row:
-        from weightsync.bench.workers import unhashed
+        from weightsync_bench.workers import unhashed
         from weightsync.sync.pipeline import WeightSync
         opts: dict[str, Any] = {"timeout": 600} if kind == "collective" else {}
         if kind == "shm":

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from weightsync.bench.model import model_bytes
+from weightsync_bench.model import model_bytes
 
 
 def _bench_cuda(fn: Callable[[], Any], repeat: int) -> tuple[float, list[float]]:
@@ -70,10 +70,10 @@ def _receiver(conn: Any) -> None:
 
 
 def gpu_rows(bench: Any, sd_cpu: dict[str, torch.Tensor], model_dir: Path) -> list[Any]:
-    """The GPU rows for `bench` (a `weightsync.bench.Bench`), in the order described above."""
+    """The GPU rows for `bench` (a `weightsync_bench.Bench`), in the order described above."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    from weightsync.bench.measure import Row
+    from weightsync_bench.measure import Row
     from weightsync.testing.engines import EngineProcess
     log, repeat, R = bench.log, bench.repeat, bench.receivers
     n = model_bytes(sd_cpu)
@@ -145,7 +145,7 @@ def gpu_rows(bench: Any, sd_cpu: dict[str, torch.Tensor], model_dir: Path) -> li
 
 def _push_row(bench: Any, sd: dict[str, torch.Tensor], engines: list[Any], label: str,
               verify: bool, n: int) -> Any:
-    from weightsync.bench.measure import Row
+    from weightsync_bench.measure import Row
     from weightsync.sync.pipeline import WeightSync
     cfg = {"transport": {"kind": "shm", "options": {"device": "cuda"}}, "adapter": "reference",
            "engines": [e.spec() for e in engines],

@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weightsync.bench.measure import BARE_VERIFIED, DELTA_DENSITY, Row
+from weightsync_bench.measure import BARE_VERIFIED, DELTA_DENSITY, Row
 
 if TYPE_CHECKING:
-    from weightsync.bench.harness import Bench
+    from weightsync_bench.harness import Bench
 
 
 def _target(value: float | None, target: float, higher: bool = True, **extra: Any) -> dict[str, Any]:

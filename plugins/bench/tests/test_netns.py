@@ -1,4 +1,4 @@
-"""The emulated cluster (`weightsync.testing.netns`) on this machine's kernel: a real TCP transfer
+"""The emulated cluster (`weightsync_bench.netns`) on this machine's kernel: a real TCP transfer
 between two host namespaces arrives bit-exact and moves the links' byte counters, tbf is installed
 with the asked rate on both ends of every link, and nothing with the cluster's names is left
 after it closes, also when the body raised and when a process was still running inside.
@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from weightsync.testing import netns
-
+from weightsync_bench import netns
 try:
     netns.probe()
 except netns.NetnsUnavailable as e:
@@ -98,7 +97,7 @@ def test_cleanup_after_an_exception_kills_what_runs_inside() -> None:
 CHILD = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from weightsync.testing.netns import Cluster
+from weightsync_bench.netns import Cluster
 with Cluster(["a", "b"]) as c:
     print(c.tag, flush=True)
     time.sleep(600)

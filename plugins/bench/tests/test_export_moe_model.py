@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bench.model import model_bytes, moe_model, plan_moe_shapes
+from weightsync_bench.model import model_bytes, moe_model, plan_moe_shapes
 from weightsync.exporters.torch import TorchExporter
 
 MiB = 2**20
@@ -37,7 +37,7 @@ def test_names_and_shapes_are_a_qwen3_moe_checkpoint() -> None:
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from weightsync.bench.model import _moe_dims
+    from weightsync_bench.model import _moe_dims
     size, experts = 4 * MiB, 16
     h, inter, vocab, layers = plan_moe_shapes(size, experts)
     head_dim, heads, kv = _moe_dims(h)

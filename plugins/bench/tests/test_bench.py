@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from weightsync.bench import run_bench, table
-from weightsync.bench.model import model_bytes, plan_shapes, small_tensors_model, synthetic_model
+from weightsync_bench import run_bench, table
+from weightsync_bench.model import model_bytes, plan_shapes, small_tensors_model, synthetic_model
 
 ROWS = ["memcpy floor", "shm floor (3 copies)", "memcpy (1 core)", "xxh3 + copy, one pass (1 core)",
         "xxh3 pass over memory (1 core)", "http floor (raw TCP)", "safetensors save+load (naive)",
@@ -46,9 +46,9 @@ def test_synthetic_model_has_llm_shapes_and_size() -> None:
 
 PEAK_OF_A_FRESH_TENSOR = """
 import torch
-from weightsync.bench import PeakRss
-from weightsync.bench.measure import exact_malloc
-from weightsync.bench.model import synthetic_model
+from weightsync_bench import PeakRss
+from weightsync_bench.measure import exact_malloc
+from weightsync_bench.model import synthetic_model
 exact_malloc()
 sd = synthetic_model(64 * 2**20)
 del sd
@@ -122,7 +122,7 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_perturbed_changes_about_the_density_asked(tmp_path: Path) -> None:
-    from weightsync.bench import perturbed
+    from weightsync_bench import perturbed
     sd = synthetic_model(4 * 2**20)
     new = perturbed(sd, 0.01, seed=1)
     changed = sum(int((new[n].view(torch.int16) != sd[n].view(torch.int16)).sum()) for n in sd)
@@ -133,7 +133,7 @@ def test_perturbed_changes_about_the_density_asked(tmp_path: Path) -> None:
 
 def test_verify_off_instrument_copies_without_hashing_and_restores() -> None:
     from weightsync.wire import digests as hashing
-    from weightsync.bench.workers import UNHASHED, unhashed
+    from weightsync_bench.workers import UNHASHED, unhashed
     src = torch.arange(1000, dtype=torch.int32)
     dst = torch.zeros_like(src)
     real = hashing.copy_digest
@@ -146,8 +146,8 @@ def test_verify_off_instrument_copies_without_hashing_and_restores() -> None:
 def test_gpu_targets_read_as_verdicts_and_table_lines() -> None:
     """The GPU rows' targets carry a direction and a verdict like every other target (a GPU run
     once crashed in `verdicts` on a target without one)."""
-    from weightsync.bench import Row, verdicts
-    from weightsync.bench.gpu import gpu_targets
+    from weightsync_bench import Row, verdicts
+    from weightsync_bench.gpu import gpu_targets
 
     def row(name: str, s: float, peak: int = 0) -> Row:
         return Row(name, "transport", 1 << 30, 2, s, [s], peak)

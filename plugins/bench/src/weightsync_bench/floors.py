@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.measure import BARE_VERIFIED, MOE, Row, timed
-from weightsync.bench.model import model_bytes
+from weightsync_bench.measure import BARE_VERIFIED, MOE, Row, timed
+from weightsync_bench.model import model_bytes
 
 
 def _memcpy_floor(sd: dict[str, torch.Tensor]) -> tuple[Callable[[], None], Callable[[], dict[str, Any]]]:

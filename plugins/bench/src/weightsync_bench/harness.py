@@ -47,11 +47,11 @@ from typing import Any
 import torch
 
 from weightsync.config import parse_bytes as parse_size
-from weightsync.bench.floors import Baselines, _memcpy_floor, _one_core_rows
-from weightsync.bench.measure import MOE, PIDS, Row, exact_malloc, loadavg, timed
-from weightsync.bench.model import model_bytes, moe_model, small_tensors_model, synthetic_model
-from weightsync.bench.transport_rows import TransportRows
-from weightsync.bench.verdicts import bar_chart, cpu_targets, table, verdicts
+from weightsync_bench.floors import Baselines, _memcpy_floor, _one_core_rows
+from weightsync_bench.measure import MOE, PIDS, Row, exact_malloc, loadavg, timed
+from weightsync_bench.model import model_bytes, moe_model, small_tensors_model, synthetic_model
+from weightsync_bench.transport_rows import TransportRows
+from weightsync_bench.verdicts import bar_chart, cpu_targets, table, verdicts
 
 RESULTS = Path("benchmarks/results")
 
@@ -139,7 +139,7 @@ class Bench(Baselines, TransportRows):
         if device in ("cpu", "auto"):
             self._cpu_rows(sd, small, moe, model_dir, moe_dir, n)
         if gpu:
-            from weightsync.bench.gpu import gpu_rows
+            from weightsync_bench.gpu import gpu_rows
             self.rows += gpu_rows(self, sd, model_dir)
         result = self.result()
         if not getattr(self.args, "keep_workdir", False):
@@ -149,7 +149,7 @@ class Bench(Baselines, TransportRows):
     def _cpu_rows(self, sd: dict[str, torch.Tensor], small: dict[str, torch.Tensor],
                   moe: dict[str, torch.Tensor] | None, model_dir: Path, moe_dir: Path | None,
                   n: int) -> None:
-        from weightsync.bench.workers import Workers, unhashed_env
+        from weightsync_bench.workers import Workers, unhashed_env
         from weightsync.wire.digests import warm
         R = self.receivers
         warm()
@@ -258,7 +258,7 @@ class Bench(Baselines, TransportRows):
             rows.append(d)
         targets = cpu_targets(self, by)
         if "cuda" in floors:
-            from weightsync.bench.gpu import gpu_targets
+            from weightsync_bench.gpu import gpu_targets
             targets.update(gpu_targets([r for r in self.rows if r.detail.get("device") == "cuda"],
                                        max(self.bucket, self.largest)))
         from weightsync.wire.digests import path

@@ -232,7 +232,7 @@ def unhashed_env(work: Path) -> dict[str, str]:
     d.mkdir(parents=True, exist_ok=True)
     (d / "sitecustomize.py").write_text(
         "# weightsync bench: engines of the verify-off rows copy without hashing\n"
-        "from weightsync.bench.workers import unhash\n"
+        "from weightsync_bench.workers import unhash\n"
         "unhash()\n")
     path = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": str(d) + (os.pathsep + path if path else "")}
