@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent
 GROUPS = {
-    "serial": ["core/tests/on_ray/", "plugins/disk_delta/tests/on_ray/", "tests/test_packaging.py",
+    "serial": ["plugins/ray/tests/on_ray/", "plugins/disk_delta/tests/on_ray/", "tests/test_packaging.py",
                "tests/test_tutorial.py", "plugins/vllm/tests/", "integrations/trl/tests/",
                "tests/test_fleet.py", "tests/test_fleet_registry.py", "tests/test_protocol.py",
                "tests/test_catch_up.py", "core/tests/test_transport_shm.py",

@@ -30,6 +30,7 @@ DISTS = {                                   # distribution -> its directory in t
     "weightsync-vllm": "plugins/vllm",
     "weightsync-lmdeploy": "plugins/lmdeploy",
     "weightsync-bench": "plugins/bench",
+    "weightsync-ray": "plugins/ray",
 }
 PACKAGES = {dist: "weightsync" if dist == "weightsync-core" else dist.replace("-", "_")
             for dist in DISTS}
@@ -118,7 +119,7 @@ def test_nothing_declared_is_unused(dist: str) -> None:
     used = {IMPORT_TO_DIST.get(top, top.replace("_", "-")).lower() for top in imports(dist)}
     unused = {name: where for name, where in requirements(dist).items() if name not in used}
     if dist == "weightsync-core" and not (ROOT / "core/src/weightsync/ray").exists():
-        unused.pop("ray", None)   # the `ray` extra is the install name of the coming weightsync.ray
+        unused.pop("ray", None)   # the `ray` extra is the install name of the coming weightsync_ray
     assert not unused, f"{dist} declares requirements its code never imports: {unused}"
 
 
@@ -318,6 +319,7 @@ PLUGIN_COMPONENTS = {
     "weightsync-vllm": ("vllm", {"adapter:vllm"}),
     "weightsync-lmdeploy": ("lmdeploy", {"adapter:lmdeploy", "transport:lmdeploy_ipc"}),
     "weightsync-bench": ("bench", set()),
+    "weightsync-ray": ("ray", {"fleet:ray"}),
 }
 
 

@@ -219,7 +219,7 @@ def test_parallel_groups_name_real_test_files() -> None:
     spec.loader.exec_module(conf)
     missing = [p for paths in conf.GROUPS.values() for p in paths if not (ROOT / p).exists()]
     assert not missing, f"conftest.py GROUPS names paths that do not exist: {missing}"
-    assert conf.group_of(ROOT / "core/tests/on_ray/test_ray_cluster.py") == "serial"
+    assert conf.group_of(ROOT / "plugins/ray/tests/on_ray/test_ray_cluster.py") == "serial"
     assert conf.group_of(ROOT / "core/tests/test_wire.py") is None
     assert conf.unit_of("plugins/vllm/tests/test_live_moe.py::test_x[a::b]") == "serial"
     assert conf.unit_of("core/tests/test_wire.py::TestA::test_b[1]") == "core/tests/test_wire.py"

@@ -5,7 +5,7 @@ restarts it, it catches up from a peer, and the run ends with every engine bit-e
 
     python examples/ray/train.py [--transport collective|http] [--versions 6] [--kill-at 3]
 
-Needs `pip install 'weightsync-core[ray]'` (and torch). One line per version."""
+Needs `pip install weightsync-ray` (and torch). One line per version."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def main() -> int:
 
     import ray
 
-    from weightsync.ray import (EngineLaunch, RayTrainer, local_cluster, start_engine,
+    from weightsync_ray import (EngineLaunch, RayTrainer, local_cluster, start_engine,
                                 start_fleet, stop_actors, stop_fleet, wait_ready)
-    from weightsync.ray.testing import POLICY, mismatches, write_initial_checkpoint
+    from weightsync_ray.testing import POLICY, mismatches, write_initial_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="weightsync-ray-"))
     model = write_initial_checkpoint(work / "model")          # version 0, what engines start on

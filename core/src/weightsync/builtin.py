@@ -39,10 +39,8 @@ def register_adapters(register):  # noqa: ANN001, ANN201
 def register_fleets(register):  # noqa: ANN001, ANN201
     from weightsync.fleets.registry import RegistryFleet
     from weightsync.fleets.static import StaticFleet
-    from weightsync.ray.fleet import RayFleet     # imports no Ray: only opening the fleet needs it
     register(StaticFleet)
     register(RegistryFleet)
-    register(RayFleet)
 
 
 @hookimpl

@@ -20,12 +20,12 @@ from typing import Any
 import ray
 
 from weightsync.config import ComponentRef, EngineSpec, build_options
-from weightsync.ray.runtime import node_ip, restarted
-from weightsync.ray.engine import EngineStartError, FleetRef, placement
-from weightsync.ray.membership import ActorMembership
-from weightsync.ray.process import ManagedProcess, crash_actor
+from weightsync_ray.runtime import node_ip, restarted
+from weightsync_ray.engine import EngineStartError, FleetRef, placement
+from weightsync_ray.membership import ActorMembership
+from weightsync_ray.process import ManagedProcess, crash_actor
 
-log = logging.getLogger("weightsync.ray")
+log = logging.getLogger("weightsync_ray")
 
 STARTED = "agent: following"          # the agent's first line once it runs
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import pytest
 
-from weightsync.ray.testing import POLICY, mismatches, write_initial_checkpoint
+from weightsync_ray.testing import POLICY, mismatches, write_initial_checkpoint
 from weightsync_disk_delta.ray_agent import start_agent
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ EXPORTER = {"kind": "torch", "options": {"bucket_bytes": 16384}}      # several 
 
 
 def start_fleet(name: str, cleanup: list[Callable[[], Any]]) -> Any:
-    from weightsync.ray.roster import start_fleet, stop_fleet
+    from weightsync_ray.roster import start_fleet, stop_fleet
     handle = start_fleet(name, "weightsync-tests", lease=3, timeout=180)
     cleanup.append(lambda: stop_fleet(name, "weightsync-tests"))
     return handle
@@ -43,9 +43,9 @@ def test_publish_only_fleet_with_a_pull_agent_actor_per_node(
     killed at version 4 and Ray restarts it."""
     import ray
 
-    from weightsync.ray.engine import start_engine, stop_actors, wait_ready
-    from weightsync.ray.launch import EngineLaunch
-    from weightsync.ray.trainer import RayTrainer
+    from weightsync_ray.engine import start_engine, stop_actors, wait_ready
+    from weightsync_ray.launch import EngineLaunch
+    from weightsync_ray.trainer import RayTrainer
 
     model = write_initial_checkpoint(tmp_path / "model")
     root = tmp_path / "published"

@@ -9,12 +9,12 @@ import logging
 import threading
 from typing import Any, Callable
 
-from weightsync.ray.runtime import ActorGone, get
-from weightsync.ray.roster import FleetRefused, NotRegistered, find_fleet
+from weightsync_ray.runtime import ActorGone, get
+from weightsync_ray.roster import FleetRefused, NotRegistered, find_fleet
 
 __all__ = ["ActorMembership"]
 
-log = logging.getLogger("weightsync.ray")
+log = logging.getLogger("weightsync_ray")
 
 
 class ActorMembership:

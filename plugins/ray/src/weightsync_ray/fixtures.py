@@ -31,7 +31,7 @@ def ray_cluster_fixtures(here: Path) -> tuple[Any, Any, Any]:
         """The cluster; yields the node id of each role: head, a, b."""
         import ray
 
-        from weightsync.ray.cluster import local_cluster
+        from weightsync_ray.cluster import local_cluster
         ctx = local_cluster(NODES, namespace="weightsync-tests")
         ctx.__enter__()
         opened.append(ctx)

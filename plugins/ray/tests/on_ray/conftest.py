@@ -1,5 +1,5 @@
 """One Ray cluster of three nodes on this machine for the Ray tests of this directory
-(weightsync.testing.ray_cluster), shut down after its last test."""
+(weightsync_ray.fixtures), shut down after its last test."""
 
 from __future__ import annotations
 
@@ -9,6 +9,6 @@ import pytest
 
 pytest.importorskip("ray")
 
-from weightsync.testing.ray_cluster import ray_cluster_fixtures  # noqa: E402 - after the skip
+from weightsync_ray.fixtures import ray_cluster_fixtures  # noqa: E402 - after the skip
 
 cluster, cleanup, pytest_runtest_teardown = ray_cluster_fixtures(Path(__file__).parent)

@@ -34,7 +34,7 @@ def require_ray() -> Any:
         if e.name != "ray":
             raise
         raise RayMissing("weightsync's Ray components need Ray on this machine: "
-                         "pip install 'weightsync-core[ray]'") from None
+                         "pip install weightsync-ray") from None
     return ray
 
 

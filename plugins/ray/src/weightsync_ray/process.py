@@ -20,7 +20,7 @@ from typing import IO, Callable
 
 __all__ = ["ManagedProcess", "PR_SET_PDEATHSIG", "crash_actor"]
 
-log = logging.getLogger("weightsync.ray")
+log = logging.getLogger("weightsync_ray")
 
 PR_SET_PDEATHSIG = 1
 

@@ -25,11 +25,11 @@ import ray
 import torch
 
 from weightsync.errors import SyncError, WeightSyncError
-from weightsync.sync.report import SyncReport
-from weightsync.ray.runtime import ActorGone, free_port, get, node_ip, reason, short
-from weightsync.ray.engine import placement
+from weightsync import SyncReport
+from weightsync_ray.runtime import ActorGone, free_port, get, node_ip, reason, short
+from weightsync_ray.engine import placement
 
-log = logging.getLogger("weightsync.ray")
+log = logging.getLogger("weightsync_ray")
 
 
 class TrainerError(WeightSyncError):

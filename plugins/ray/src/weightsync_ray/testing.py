@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 VOCAB, HIDDEN, LAYERS = 128, 32, 2
-POLICY = {"model": "weightsync.ray.testing:build_policy",
-          "step": "weightsync.ray.testing:train_step",
-          "shard": "weightsync.ray.testing:shard_policy"}
+POLICY = {"model": "weightsync_ray.testing:build_policy",
+          "step": "weightsync_ray.testing:train_step",
+          "shard": "weightsync_ray.testing:shard_policy"}
 """`RayTrainer(..., **POLICY)`: the tiny policy, its AdamW step and its FSDP2 sharding."""
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pytest
 
-from weightsync.ray.testing import POLICY, mismatches, write_initial_checkpoint
+from weightsync_ray.testing import POLICY, mismatches, write_initial_checkpoint
 
 pytestmark = pytest.mark.slow
 SYNC = {"progress": "off", "lease": 3, "deadline": 60, "failure_policy": "continue"}
@@ -34,7 +34,7 @@ def process_gone(pid: int, timeout: float = 30.0) -> bool:
 
 
 def start_fleet(name: str, cleanup: list[Callable[[], Any]]) -> Any:
-    from weightsync.ray.roster import start_fleet, stop_fleet
+    from weightsync_ray.roster import start_fleet, stop_fleet
     handle = start_fleet(name, "weightsync-tests", lease=3, timeout=180)
     cleanup.append(lambda: stop_fleet(name, "weightsync-tests"))
     return handle
@@ -45,9 +45,9 @@ def test_two_rank_trainer_three_engine_actors_one_killed_and_back(
         transport: str, cluster: dict[str, str], cleanup: list, tmp_path: Path) -> None:
     import ray
 
-    from weightsync.ray.engine import start_engine, stop_actors, wait_ready
-    from weightsync.ray.launch import EngineLaunch
-    from weightsync.ray.trainer import RayTrainer
+    from weightsync_ray.engine import start_engine, stop_actors, wait_ready
+    from weightsync_ray.launch import EngineLaunch
+    from weightsync_ray.trainer import RayTrainer
 
     model = write_initial_checkpoint(tmp_path / "model")
     fleet_name = f"multi-{transport}"

@@ -1,6 +1,6 @@
-"""Ray is an extra: core registers the `ray` fleet source without importing Ray, `weightsync
-plugins` lists it, and opening it where Ray is missing says how to install it. Runs with or
-without Ray installed (Ray is hidden from a child interpreter)."""
+"""The plugin registers the `ray` fleet source without importing Ray, `weightsync plugins` lists
+it, and opening it where Ray is missing says how to install it. Runs with or without Ray
+installed (Ray is hidden from a child interpreter)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def _run(code: str) -> str:
     return out.stdout.strip()
 
 
-def test_core_registers_the_ray_source_without_importing_ray() -> None:
-    out = _run("import weightsync, weightsync.ray, weightsync.ray.fleet\n"
+def test_the_ray_source_registers_without_importing_ray() -> None:
+    out = _run("import weightsync, weightsync_ray, weightsync_ray.fleet\n"
                "from weightsync.plugins import load_components\n"
                "print(sorted(load_components().fleets.names()))")
     assert out == "['ray', 'registry', 'static']"
@@ -28,7 +28,7 @@ def test_weightsync_plugins_lists_it() -> None:
     out = _run("import sys; from weightsync.cli import main\n"
                "sys.argv = ['weightsync', 'plugins', '--json']\nmain()")
     rows = {r["name"]: r for r in json.loads(out)}
-    assert "fleet:ray" in rows["weightsync.builtin"]["components"]
+    assert "fleet:ray" in rows["ray"]["components"]
 
 
 def test_opening_it_without_ray_says_how_to_install() -> None:
@@ -38,4 +38,4 @@ def test_opening_it_without_ray_says_how_to_install() -> None:
                "except Exception as e:\n"
                "    print(type(e).__name__, e)\n")
     assert out == ("RayMissing weightsync's Ray components need Ray on this machine: "
-                   "pip install 'weightsync-core[ray]'")
+                   "pip install weightsync-ray")

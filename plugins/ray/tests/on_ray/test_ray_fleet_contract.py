@@ -24,7 +24,7 @@ class TestRayFleet(FleetContract):
     def _fleet_actor(self, cluster: dict[str, str], tmp_path: Path) -> Iterator[None]:
         """The fleet actor is detached: each test ends its own."""
         yield
-        from weightsync.ray.roster import stop_fleet
+        from weightsync_ray.roster import stop_fleet
         stop_fleet(_name(tmp_path), NAMESPACE)
 
     def fleet_config(self, tmp_path: Path) -> dict[str, Any]:
@@ -32,7 +32,7 @@ class TestRayFleet(FleetContract):
                                            "lease": 5}}
 
     def _actor(self, sync: WeightSync) -> Any:
-        from weightsync.ray.roster import find_fleet
+        from weightsync_ray.roster import find_fleet
         return find_fleet(sync.fleet.options.name, sync.fleet.options.namespace)
 
     def add_member(self, sync: WeightSync, name: str, engine: EngineProcess) -> None:

@@ -25,15 +25,15 @@ import ray
 
 from weightsync.config import EngineSpec, build_options
 from weightsync.errors import WeightSyncError
-from weightsync.ray.runtime import ActorGone, ActorRestarting, free_port, get, node_ip, restarted
-from weightsync.ray.launch import EngineLaunch, command, describe
-from weightsync.ray.membership import ActorMembership
-from weightsync.ray.process import ManagedProcess, crash_actor
+from weightsync_ray.runtime import ActorGone, ActorRestarting, free_port, get, node_ip, restarted
+from weightsync_ray.launch import EngineLaunch, command, describe
+from weightsync_ray.membership import ActorMembership
+from weightsync_ray.process import ManagedProcess, crash_actor
 
 __all__ = ["EngineActor", "EngineRunner", "EngineStartError", "FleetRef", "placement",
            "start_engine", "stop_actors", "wait_ready"]
 
-log = logging.getLogger("weightsync.ray")
+log = logging.getLogger("weightsync_ray")
 
 FleetRef = tuple[str, str]            # (fleet actor name, Ray namespace)
 

@@ -1,16 +1,18 @@
-"""weightsync on Ray (`pip install 'weightsync-core[ray]'`): fleet membership held by a named,
+"""weightsync on Ray (`pip install weightsync-ray`): fleet membership held by a named,
 detached Ray actor, engines as Ray actors that Ray places and restarts, and
 trainers whose ranks are Ray actors. Nothing here schedules, places or discovers anything itself:
 that is Ray's job.
 
-Importing `weightsync` never imports Ray, and neither does importing this package: the names below
-load on first use, so the `ray` fleet source registers (and `weightsync plugins` lists it) on a
-machine without Ray, and only opening it asks for Ray."""
+Importing this package never imports Ray: the names below load on first use, so the `ray` fleet
+source registers (and `weightsync plugins` lists it) on a machine without Ray, and only opening it
+asks for Ray."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+__version__ = "0.2.0"   # the one source: hatch reads it for the distribution's version
 
 _EXPORTS = {
     "RayFleet": ".fleet",

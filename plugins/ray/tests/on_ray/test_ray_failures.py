@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from weightsync.ray.testing import (
+from weightsync_ray.testing import (
     POLICY,
     build_policy,
     mismatches,
@@ -25,7 +25,7 @@ EXPORTER = {"kind": "torch", "options": {"bucket_bytes": 16384}}
 
 
 def start_fleet(name: str, cleanup: list[Callable[[], Any]]) -> Any:
-    from weightsync.ray.roster import start_fleet, stop_fleet
+    from weightsync_ray.roster import start_fleet, stop_fleet
     handle = start_fleet(name, NS, lease=3, timeout=180)
     cleanup.append(lambda: stop_fleet(name, NS))
     return handle
@@ -37,10 +37,10 @@ def test_a_fleet_actor_that_is_gone(cluster: dict[str, str], cleanup: list, tmp_
     the next push reaches them."""
     import ray
     from weightsync import WeightSync
-    from weightsync.ray.engine import start_engine, stop_actors, wait_ready
-    from weightsync.ray.fleet import FleetError
-    from weightsync.ray.roster import find_fleet, stop_fleet
-    from weightsync.ray.launch import EngineLaunch
+    from weightsync_ray.engine import start_engine, stop_actors, wait_ready
+    from weightsync_ray.fleet import FleetError
+    from weightsync_ray.roster import find_fleet, stop_fleet
+    from weightsync_ray.launch import EngineLaunch
 
     model = write_initial_checkpoint(tmp_path / "model")
     start_fleet("gone", cleanup)
@@ -96,7 +96,7 @@ def test_a_fleet_actor_that_is_gone(cluster: dict[str, str], cleanup: list, tmp_
 
 def test_a_fleet_that_must_exist_and_does_not(cluster: dict[str, str]) -> None:
     from weightsync import WeightSync
-    from weightsync.ray.runtime import ActorGone
+    from weightsync_ray.runtime import ActorGone
     with pytest.raises(ActorGone, match="there is no fleet actor 'nobody' in Ray namespace"):
         WeightSync.from_config({"fleet": {"kind": "ray", "options": {
             "name": "nobody", "namespace": NS, "create": False}}})
@@ -107,8 +107,8 @@ def test_an_engine_whose_process_fails_to_start(case: str, cluster: dict[str, st
                                                  tmp_path: Path) -> None:
     """The actor is not restarted into the same failure: it dies with the reason, which
     `wait_ready` raises (the engine's command and the last lines of its output)."""
-    from weightsync.ray.engine import EngineStartError, start_engine, stop_actors, wait_ready
-    from weightsync.ray.launch import EngineLaunch
+    from weightsync_ray.engine import EngineStartError, start_engine, stop_actors, wait_ready
+    from weightsync_ray.launch import EngineLaunch
 
     if case == "exits":
         launch = EngineLaunch(model=str(tmp_path / "no-such-model"))
@@ -133,10 +133,10 @@ def test_a_trainer_rank_that_dies_mid_push(rank: int, cluster: dict[str, str], c
     version 1, bit for bit (rank 0 aborts the round, or, when rank 0 died, the round's lease
     lapses), and the broken trainer refuses further pushes."""
     import ray
-    from weightsync.ray.engine import start_engine, stop_actors, wait_ready
-    from weightsync.ray.launch import EngineLaunch
-    from weightsync.ray.testing import DieOnSend
-    from weightsync.ray.trainer import RayTrainer, TrainerError
+    from weightsync_ray.engine import start_engine, stop_actors, wait_ready
+    from weightsync_ray.launch import EngineLaunch
+    from weightsync_ray.testing import DieOnSend
+    from weightsync_ray.trainer import RayTrainer, TrainerError
 
     model = write_initial_checkpoint(tmp_path / "model")
     fleet_name = f"dies-{rank}"
@@ -181,8 +181,8 @@ def test_an_engine_process_that_dies_takes_its_actor_with_it(cluster: dict[str, 
     """The engine's process crashes (SIGKILL) while its actor lives: the actor exits as a crash,
     Ray restarts it, and the new engine registers under the same name at its new address."""
     import ray
-    from weightsync.ray.engine import start_engine, stop_actors, wait_ready
-    from weightsync.ray.launch import EngineLaunch
+    from weightsync_ray.engine import start_engine, stop_actors, wait_ready
+    from weightsync_ray.launch import EngineLaunch
 
     model = write_initial_checkpoint(tmp_path / "model")
     fleet = start_fleet("crash", cleanup)

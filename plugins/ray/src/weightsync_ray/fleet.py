@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from weightsync.config import EngineSpec
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.interfaces import Fleet, Member
-from weightsync.ray.roster import DEFAULT_NAME, DEFAULT_NAMESPACE
+from weightsync_ray.roster import DEFAULT_NAME, DEFAULT_NAMESPACE
 
-log = logging.getLogger("weightsync.ray")
+log = logging.getLogger("weightsync_ray")
 
 
 class FleetError(WeightSyncError):
@@ -61,7 +61,7 @@ class RayFleet(Fleet):
         return f"fleet actor {self.options.name!r} (Ray namespace {self.options.namespace!r})"
 
     def open(self, components: Any, default_adapter: Any) -> None:
-        from weightsync.ray.runtime import connect
+        from weightsync_ray.runtime import connect
         connect(self.options.address)
         if default_adapter is not None:
             self.default_adapter = default_adapter.model_dump(mode="json")
@@ -72,7 +72,7 @@ class RayFleet(Fleet):
                      "setting holds)", self.what, settings.get("lease"), self.options.lease)
 
     def _find_or_start(self) -> Any:
-        from weightsync.ray.roster import find_fleet, start_fleet
+        from weightsync_ray.roster import find_fleet, start_fleet
         o = self.options
         if not o.create:
             return find_fleet(o.name, o.namespace)
@@ -85,7 +85,7 @@ class RayFleet(Fleet):
         `timeout`). When it is gone: found again by name if someone started it anew, else (with
         `create`) started again for the next push; this call then fails with a FleetError that
         says so."""
-        from weightsync.ray.runtime import ActorGone, ActorRestarting, get
+        from weightsync_ray.runtime import ActorGone, ActorRestarting, get
         if self.actor is None:
             raise FleetError(f"{self.what} is not open: call open() first (WeightSync does)")
         until = time.monotonic() + self.options.timeout
@@ -102,8 +102,8 @@ class RayFleet(Fleet):
                 return self._gone(gone, method, args)
 
     def _gone(self, gone: BaseException, method: str, args: tuple) -> Any:
-        from weightsync.ray.runtime import ActorGone, get
-        from weightsync.ray.roster import find_fleet
+        from weightsync_ray.runtime import ActorGone, get
+        from weightsync_ray.roster import find_fleet
         try:
             self.actor = find_fleet(self.options.name, self.options.namespace)
             return get(getattr(self.actor, method).remote(*args), self.options.timeout, self.what)
@@ -142,5 +142,5 @@ class RayFleet(Fleet):
 
     def close(self) -> None:
         """The fleet actor stays: it is detached, so members keep their registrations for the
-        next trainer (`weightsync.ray.stop_fleet` ends it)."""
+        next trainer (`weightsync_ray.stop_fleet` ends it)."""
         self.actor = None

@@ -21,9 +21,9 @@ def test_a_vllm_engine_actor_registers_and_is_pushed_to(cluster: dict[str, str],
     import torch
 
     from weightsync import WeightSync
-    from weightsync.ray.engine import start_engine, stop_actors, wait_ready
-    from weightsync.ray.roster import start_fleet, stop_fleet
-    from weightsync.ray.launch import EngineLaunch
+    from weightsync_ray.engine import start_engine, stop_actors, wait_ready
+    from weightsync_ray.roster import start_fleet, stop_fleet
+    from weightsync_ray.launch import EngineLaunch
 
     model = testing.build_model_dir(tmp_path / "model")
     start_fleet("vllm", NS, lease=10, timeout=180)

@@ -17,9 +17,9 @@ from typing import Any
 
 from weightsync.config import ComponentRef
 from weightsync.errors import WeightSyncError
-from weightsync.ray.runtime import ActorGone, connect, get, require_ray
+from weightsync_ray.runtime import ActorGone, connect, get, require_ray
 
-log = logging.getLogger("weightsync.ray")
+log = logging.getLogger("weightsync_ray")
 
 DEFAULT_NAME = "weightsync-fleet"
 DEFAULT_NAMESPACE = "weightsync"
@@ -194,7 +194,7 @@ def find_fleet(name: str, namespace: str) -> Any:
     except ValueError:
         raise ActorGone(f"there is no fleet actor {name!r} in Ray namespace {namespace!r}: "
                         f"start one (a trainer with fleet kind 'ray' and create: true does, or "
-                        f"weightsync.ray.start_fleet)") from None
+                        f"weightsync_ray.start_fleet)") from None
 
 
 def stop_fleet(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE) -> bool:

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from typing import Any, Iterator, Sequence
 
-from weightsync.ray.runtime import free_port, require_ray
+from weightsync_ray.runtime import free_port, require_ray
 
 
 @contextlib.contextmanager
