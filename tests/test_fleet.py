@@ -22,7 +22,7 @@ import torch
 from weightsync import WeightSync
 from weightsync.fleets.client import RegistryClient
 from weightsync.plugins import load_components
-from weightsync.rollout import RolloutClient
+from weightsync_rl.rollout import RolloutClient
 from weightsync.testing import EngineProcess
 from weightsync.testing.waiting import wait_for
 

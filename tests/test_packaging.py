@@ -31,6 +31,7 @@ DISTS = {                                   # distribution -> its directory in t
     "weightsync-lmdeploy": "plugins/lmdeploy",
     "weightsync-bench": "plugins/bench",
     "weightsync-ray": "plugins/ray",
+    "weightsync-rl": "plugins/rl",
 }
 PACKAGES = {dist: "weightsync" if dist == "weightsync-core" else dist.replace("-", "_")
             for dist in DISTS}
@@ -40,7 +41,6 @@ UNDECLARED_OK = {
     "weightsync-core": {
         "triton": "ships with CUDA builds of torch; weightsync.wire.mlh uses torch ops without it",
         "peft": "the LoRA exporter imports it only for a model that is already a PEFT model",
-        "matplotlib": "the demo's plot, only where matplotlib is installed (says so otherwise)",
     },
     "weightsync-vllm": {
         "vllm": "the engine: imported only inside vLLM's own processes (backend, vllm_plugin)",
@@ -320,6 +320,7 @@ PLUGIN_COMPONENTS = {
     "weightsync-lmdeploy": ("lmdeploy", {"adapter:lmdeploy", "transport:lmdeploy_ipc"}),
     "weightsync-bench": ("bench", set()),
     "weightsync-ray": ("ray", {"fleet:ray"}),
+    "weightsync-rl": ("rl", set()),
 }
 
 
@@ -382,6 +383,9 @@ def test_installs_alone_imports_everything_and_runs_its_commands(dist: str, alon
     name, components = PLUGIN_COMPONENTS[dist]
     assert components <= set(rows[name]["components"]), rows[name]
     assert rows[name]["version"] == version_of(dist)
+    if dist == "weightsync-rl":
+        assert "--steps" in run_ok(env, "weightsync", "demo", "--help")
+        assert "--fleet" in run_ok(env, "weightsync", "route", "--help")
     if dist == "weightsync-bench":
         assert "--receivers" in run_ok(env, "weightsync", "bench", "--help")
     if dist == "weightsync-disk-delta":

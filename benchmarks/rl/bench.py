@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from weightsync import WeightSync
-from weightsync.rl.demo import LR, build_demo_model
-from weightsync.rl import CountingTask, RLLoop
-from weightsync.rollout import RolloutClient, SamplingParams
+from weightsync_rl.demo import LR, build_demo_model
+from weightsync_rl import CountingTask, RLLoop
+from weightsync_rl.rollout import RolloutClient, SamplingParams
 from weightsync.testing import EngineProcess
 from weightsync.testing.engines import start_all
 
@@ -68,7 +68,7 @@ def loop(mode: str, steps: int, model_dir: Path, work: Path, workload: str = "de
         # the async loop keeps generation that spans the swap going (as the demo does)
         cfg = {"engines": [e.spec() for e in engines],
                "sync": {"progress": "off", **({"pause_mode": "keep"} if mode == "async" else {})}}
-        with WeightSync.from_config(cfg) as sync, sync.rollout_client() as client:
+        with WeightSync.from_config(cfg) as sync, RolloutClient.of(sync) as client:
             tput = throughput(client) if mode == "sync" and workload == "demo" else None
             rl = RLLoop(model, opt, sync, client.sample, CountingTask(seed=1),
                         SamplingParams(n=8, max_new_tokens=tokens, seed=1), prompts_per_step=32,

@@ -250,7 +250,7 @@ def _readme_table(text: str, head: str) -> list[list[str]]:
 DIST_DIRS = {"weightsync-core": "core", "weightsync-disk-delta": "plugins/disk_delta",
              "weightsync-sglang": "plugins/sglang", "weightsync-vllm": "plugins/vllm",
              "weightsync-lmdeploy": "plugins/lmdeploy", "weightsync-bench": "plugins/bench",
-             "weightsync-ray": "plugins/ray"}
+             "weightsync-ray": "plugins/ray", "weightsync-rl": "plugins/rl"}
 
 
 def test_readme_extras_table_matches_the_pyprojects() -> None:

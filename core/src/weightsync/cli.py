@@ -10,6 +10,8 @@ import json
 import sys
 from typing import Any, Sequence, cast
 
+__all__ = ["UserError", "key_args", "main", "parser"]
+
 _FMT = argparse.ArgumentDefaultsHelpFormatter
 
 
@@ -83,41 +85,6 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _route(args: argparse.Namespace) -> int:
-    from weightsync.net.keys import resolve_key
-    from weightsync.plugins import load_components
-    from weightsync.rollout import RolloutClient, RolloutRouter
-    components = load_components()
-    if bool(args.fleet) == bool(args.engine):
-        raise UserError("give the fleet registry (--fleet URL) or the engines (--engine URL ...)")
-    if args.fleet:
-        cls = components.fleets.get("registry")
-        fleet = cls(cls.Options.model_validate({"url": args.fleet, "api_key": args.fleet_key}))
-        fleet.open(components, None)
-        client = RolloutClient(fleet=fleet, adapter=args.adapter, components=components)
-    else:
-        client = RolloutClient([{"url": u, "adapter": args.adapter} for u in args.engine],
-                               components=components)
-    router = RolloutRouter(client, args.host, args.port,
-                           api_key=resolve_key(args.api_key, args.api_key_file,
-                                               env="WEIGHTSYNC_ROUTER_KEY"))
-    print(f"weightsync router at {router.url} (POST /generate, GET /members)", flush=True)
-    try:
-        router.server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        router.close()
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from weightsync.rl.demo import run_demo
-    return run_demo(engine=args.engine, steps=args.steps, workdir=args.workdir,
-                    mode="async" if args.async_ else "sync", push=not args.no_push,
-                    plot_path=args.plot)
-
-
 def _join(args: argparse.Namespace) -> int:
     from weightsync.fleets.sidecar import run_sidecar
     return run_sidecar(args)
@@ -147,7 +114,8 @@ def _fleet_ls(args: argparse.Namespace) -> int:
 
 
 # -- the parser -------------------------------------------------------------------------------
-def _key_args(sp: argparse.ArgumentParser, what: str, env: str) -> None:
+def key_args(sp: argparse.ArgumentParser, what: str, env: str) -> None:
+    """`--api-key` and `--api-key-file` for a service, the same in every command."""
     sp.add_argument("--api-key", default=None, help=f"{what}'s API key (prefer --api-key-file or ${env})")
     sp.add_argument("--api-key-file", default=None, help=f"read {what}'s API key from this file")
 
@@ -167,7 +135,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", required=True, help="HF model directory (or safetensors only)")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8100, help="port to listen on (0: any free port)")
-    _key_args(sp, "the engine", "WEIGHTSYNC_API_KEY")
+    key_args(sp, "the engine", "WEIGHTSYNC_API_KEY")
     sp.add_argument("--name", default=None, help="engine name in reports (default host:port)")
     sp.add_argument("--device", default="cpu", help="where the weights live: cpu, cuda, cuda:N")
     sp.add_argument("--load-root", action="append", default=[], metavar="DIR",
@@ -189,33 +157,6 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("config", help="a .yaml, .yml, .toml or .json sync config")
     sp.set_defaults(fn=_check)
 
-    sp = sub.add_parser("demo", help="a GRPO run whose rollouts come from live engines, pushing "
-                        "every step (needs weightsync-core[serve])", formatter_class=_FMT)
-    sp.add_argument("--engine", default="reference", help="the adapter kind of the engines: the "
-                    "built-in reference engine, or a plugin's engine that can start locally")
-    sp.add_argument("--steps", type=int, default=40, help="GRPO steps, one push each")
-    sp.add_argument("--async", dest="async_", action="store_true",
-                    help="generate the next step's rollouts while this step trains and pushes "
-                         "(one step off-policy)")
-    sp.add_argument("--no-push", action="store_true", help="never push (the control run: the "
-                    "engines keep the first weights and the reward must not rise)")
-    sp.add_argument("--plot", default=None, help="where the PNG of the run goes "
-                    "(default: ./weightsync-demo-ENGINE-MODE.png)")
-    sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
-    sp.set_defaults(fn=_demo)
-
-    sp = sub.add_parser("route", help="serve generation for a whole fleet at one URL: requests "
-                        "go to live members holding a fitting version", formatter_class=_FMT)
-    sp.add_argument("--fleet", default=None, metavar="URL", help="a fleet registry to follow")
-    sp.add_argument("--fleet-key", default=None, help="the registry's key (or $WEIGHTSYNC_FLEET_KEY)")
-    sp.add_argument("--engine", action="append", default=[], metavar="URL",
-                    help="a static engine instead of a registry (repeat)")
-    sp.add_argument("--adapter", default="reference", help="adapter kind of members that name none")
-    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sp.add_argument("--port", type=int, default=8300, help="port to listen on")
-    _key_args(sp, "the router", "WEIGHTSYNC_ROUTER_KEY")
-    sp.set_defaults(fn=_route)
-
     sp = sub.add_parser("join", help="register an engine that cannot register itself "
                         "with a fleet registry, heartbeat, deregister on exit",
                         formatter_class=_FMT)
@@ -224,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--engine", required=True, help="the engine's adapter kind (`weightsync plugins` "
                     "lists them)")
     sp.add_argument("--url", required=True, help="the engine's URL")
-    _key_args(sp, "the engine", "WEIGHTSYNC_ENGINE_KEY")
+    key_args(sp, "the engine", "WEIGHTSYNC_ENGINE_KEY")
     sp.add_argument("--name", default=None, help="member name (default: the URL's host:port)")
     sp.add_argument("--options", default="{}", help="adapter options as JSON")
     sp.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the engine's health")
@@ -236,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
     sp = fsub.add_parser("serve", help="run a fleet registry on its own", formatter_class=_FMT)
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8200, help="port to listen on")
-    _key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")
+    key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")
     sp.add_argument("--trainer-key-file", default=None,
                     help="the trainer's key (or $WEIGHTSYNC_FLEET_TRAINER_KEY): only it reads the "
                          "members' engine keys and reports pushes")
@@ -249,7 +190,7 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=_fleet_serve)
     sp = fsub.add_parser("ls", help="list a registry's members", formatter_class=_FMT)
     sp.add_argument("--registry", required=True, metavar="URL", help="the fleet registry")
-    _key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")
+    key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")
     sp.add_argument("--json", action="store_true", help="print JSON (what GET /fleet answers)")
     sp.set_defaults(fn=_fleet_ls)
     _plugin_commands(sub)

@@ -128,12 +128,6 @@ class WeightSync:
         """Where members register, for a registry fleet."""
         return getattr(self.fleet, "url", None)
 
-    def rollout_client(self, **options: Any) -> Any:
-        """A RolloutClient over this sync's fleet (its live members, as the pushes see them)."""
-        from weightsync.rollout.client import RolloutClient
-        return RolloutClient(fleet=self.fleet, adapter=self.resolved.config.adapter.kind,
-                             components=self.components, **options)
-
     def record_gap(self, engine: str, version: int, mean: float, max_: float) -> None:
         """Record the train–inference gap of rollouts (metrics file and Prometheus)."""
         self.metrics.record_gap(engine, version, mean, max_)

@@ -15,8 +15,8 @@ import torch
 
 from weightsync import WeightSync
 from weightsync.errors import SyncError
-from weightsync.rollout import RolloutClient, RolloutRouter, SamplingParams, StaleEngines, Unsupported
-from weightsync.rollout.remote import RouterClient
+from weightsync_rl.rollout import RolloutClient, RolloutRouter, SamplingParams, StaleEngines, Unsupported
+from weightsync_rl.rollout.remote import RouterClient
 from weightsync.testing import EngineProcess
 from weightsync.testing.engines import start_all
 from weightsync.testing.models import build_tiny_model, load_trainer_model
@@ -194,7 +194,7 @@ class _PushWhenGenerating:
 @pytest.mark.parametrize("keep", [True, False])
 def test_the_async_loop_trains_on_samples_that_span_the_swap_or_regenerates_them(
         model_dir: Path, tmp_path: Path, keep: bool) -> None:
-    from weightsync.rl import CountingTask, RLLoop
+    from weightsync_rl import CountingTask, RLLoop
     eng = EngineProcess(model_dir, name="s", log=tmp_path / "s.log").start(timeout=120)
     model = load_trainer_model(model_dir)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -4,9 +4,9 @@ The data they carry (`SamplingParams`, `Gate`, `Sample`) is `weightsync.interfac
 
 from weightsync.interfaces.sampling import (Gate, NotFitting, Sample, SamplingParams, StaleEngines,
                                             Unsupported)
-from weightsync.rollout.client import RolloutClient
-from weightsync.rollout.remote import RouterClient
-from weightsync.rollout.router import RolloutRouter
+from weightsync_rl.rollout.client import RolloutClient
+from weightsync_rl.rollout.remote import RouterClient
+from weightsync_rl.rollout.router import RolloutRouter
 
 __all__ = ["Gate", "NotFitting", "RolloutClient", "RolloutRouter", "RouterClient", "Sample",
            "SamplingParams", "StaleEngines", "Unsupported"]

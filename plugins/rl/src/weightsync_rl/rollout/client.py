@@ -49,6 +49,12 @@ class RolloutClient:
     config's `engines:`); or `fleet`: a Fleet component or a callable returning Members (a
     registry fleet's live members), re-read every `refresh` seconds."""
 
+    @classmethod
+    def of(cls, sync: Any, **options: Any) -> RolloutClient:
+        """A client over a `WeightSync`'s fleet: its live members, as the pushes see them."""
+        return cls(fleet=sync.fleet, adapter=sync.resolved.config.adapter.kind,
+                   components=sync.components, **options)
+
     def __init__(self, engines: Iterable[dict[str, Any] | EngineSpec] | None = None, *,
                  fleet: Fleet | MembersSource | None = None, adapter: str = "reference",
                  staleness: int = 0, refresh: float = 1.0, workers: int = 32,

@@ -20,7 +20,7 @@ from typing import Any, cast
 from pydantic import ValidationError
 
 from weightsync.net.server import HttpError, Routes, Server, make_server
-from weightsync.rollout.client import RolloutClient
+from weightsync_rl.rollout.client import RolloutClient
 from weightsync.interfaces.sampling import SamplingParams, StaleEngines, Unsupported
 
 routes = Routes()

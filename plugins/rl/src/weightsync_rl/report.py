@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weightsync.rl.loop import StepStats
+from weightsync_rl.loop import StepStats
 
 MARGIN = 0.15           # the rise of the mean reward (first 3 steps -> last 3) a run must show
 WINDOW = 3
@@ -69,7 +69,7 @@ def plot(stats: list[StepStats], path: Path, title: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "skipped (matplotlib is not installed: pip install matplotlib)"
+        return "skipped (matplotlib is not installed: pip install 'weightsync-rl[plot]')"
     steps = [s.step for s in stats]
     series: list[tuple[str, list[Any]]] = [
         ("mean reward", [s.reward for s in stats]),

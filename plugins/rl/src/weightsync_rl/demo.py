@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from weightsync.rl.report import MARGIN, first_last, plot, print_step, print_summary
+from weightsync_rl.report import MARGIN, first_last, plot, print_step, print_summary
 
 PROMPTS, GROUP, LR, EPOCHS, SEED = 32, 8, 3e-3, 4, 1
 
@@ -49,7 +49,7 @@ def run_demo(engine: str = "reference", steps: int = 40, workdir: str | None = N
 def build_demo_model(model_dir: Path) -> torch.nn.Module:
     """The demo's policy: a 2-layer Llama over the task's 16 tokens, saved to `model_dir`. One
     head of 64: vLLM's CPU attention has kernels for head sizes such as 64, not 16."""
-    from weightsync.rl.task import VOCAB
+    from weightsync_rl.task import VOCAB
     from weightsync.testing.models import build_tiny_model
     torch.manual_seed(0)
     return build_tiny_model(model_dir, "llama", vocab=VOCAB, hidden=64, intermediate=128,
@@ -62,12 +62,13 @@ def _setup(model_dir: Path) -> tuple[Any, Any]:
 
 
 def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) -> int:
-    from weightsync.sync.pipeline import WeightSync
+    from weightsync import WeightSync
     from weightsync.plugins import load_components
-    from weightsync.rl.loop import RLLoop
-    from weightsync.rl.task import CountingTask
-    from weightsync.rollout import RolloutRouter, SamplingParams
-    from weightsync.rollout.remote import RouterClient
+    from weightsync_rl.loop import RLLoop
+    from weightsync_rl.rollout import RolloutClient
+    from weightsync_rl.task import CountingTask
+    from weightsync_rl.rollout import RolloutRouter, SamplingParams
+    from weightsync_rl.rollout.remote import RouterClient
 
     components = load_components()
     adapter = components.adapters.get(engine)
@@ -99,7 +100,7 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
             for n in ("engine-a", "engine-b"):
                 launch(n)
             _wait(lambda: len(sync.fleet.members()) == 2, 30)
-        client = sync.rollout_client()
+        client = RolloutClient.of(sync)
         with RolloutRouter(client) as router:
             print(f"engines: {', '.join(started)}; rollouts through the router at {router.url}"
                   + (f"; fleet registry at {sync.fleet_url}" if fleet else "") + f"; workdir {work}")

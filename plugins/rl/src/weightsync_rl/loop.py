@@ -30,7 +30,7 @@ import torch
 
 from weightsync.errors import SyncError
 from weightsync.interfaces.sampling import Sample, SamplingParams
-from weightsync.rl import grpo
+from weightsync_rl import grpo
 
 Sampler = Callable[..., list[Sample]]       # (prompts, params, min_version=...) -> Samples
 

@@ -1,0 +1,77 @@
+"""`weightsync demo` and `weightsync route`: their arguments. The run itself (and everything
+heavy) loads only when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from weightsync.cli import UserError, key_args
+
+__all__ = ["add_commands"]
+
+_FMT = argparse.ArgumentDefaultsHelpFormatter
+
+
+def _route(args: argparse.Namespace) -> int:
+    from weightsync.net.keys import resolve_key
+    from weightsync.plugins import load_components
+    from weightsync_rl.rollout import RolloutClient, RolloutRouter
+    components = load_components()
+    if bool(args.fleet) == bool(args.engine):
+        raise UserError("give the fleet registry (--fleet URL) or the engines (--engine URL ...)")
+    if args.fleet:
+        cls = components.fleets.get("registry")
+        fleet = cls(cls.Options.model_validate({"url": args.fleet, "api_key": args.fleet_key}))
+        fleet.open(components, None)
+        client = RolloutClient(fleet=fleet, adapter=args.adapter, components=components)
+    else:
+        client = RolloutClient([{"url": u, "adapter": args.adapter} for u in args.engine],
+                               components=components)
+    router = RolloutRouter(client, args.host, args.port,
+                           api_key=resolve_key(args.api_key, args.api_key_file,
+                                               env="WEIGHTSYNC_ROUTER_KEY"))
+    print(f"weightsync router at {router.url} (POST /generate, GET /members)", flush=True)
+    try:
+        router.server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        router.close()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from weightsync_rl.demo import run_demo
+    return run_demo(engine=args.engine, steps=args.steps, workdir=args.workdir,
+                    mode="async" if args.async_ else "sync", push=not args.no_push,
+                    plot_path=args.plot)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("demo", help="a GRPO run whose rollouts come from live engines, pushing "
+                        "every step (needs weightsync-core[serve])", formatter_class=_FMT)
+    sp.add_argument("--engine", default="reference", help="the adapter kind of the engines: the "
+                    "built-in reference engine, or a plugin's engine that can start locally")
+    sp.add_argument("--steps", type=int, default=40, help="GRPO steps, one push each")
+    sp.add_argument("--async", dest="async_", action="store_true",
+                    help="generate the next step's rollouts while this step trains and pushes "
+                         "(one step off-policy)")
+    sp.add_argument("--no-push", action="store_true", help="never push (the control run: the "
+                    "engines keep the first weights and the reward must not rise)")
+    sp.add_argument("--plot", default=None, help="where the PNG of the run goes "
+                    "(default: ./weightsync-demo-ENGINE-MODE.png)")
+    sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    sp.set_defaults(fn=_demo)
+
+    sp = sub.add_parser("route", help="serve generation for a whole fleet at one URL: requests "
+                        "go to live members holding a fitting version", formatter_class=_FMT)
+    sp.add_argument("--fleet", default=None, metavar="URL", help="a fleet registry to follow")
+    sp.add_argument("--fleet-key", default=None, help="the registry's key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--engine", action="append", default=[], metavar="URL",
+                    help="a static engine instead of a registry (repeat)")
+    sp.add_argument("--adapter", default="reference", help="adapter kind of members that name none")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sp.add_argument("--port", type=int, default=8300, help="port to listen on")
+    key_args(sp, "the router", "WEIGHTSYNC_ROUTER_KEY")
+    sp.set_defaults(fn=_route)
+
