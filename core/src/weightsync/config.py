@@ -5,13 +5,14 @@ assembly.py's job."""
 from __future__ import annotations
 
 import json
-import re
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+import pydantic
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError,
+                      model_validator)
 
 from weightsync.errors import ConfigError
 from weightsync.sync.metrics import MetricsSettings
@@ -22,21 +23,22 @@ if TYPE_CHECKING:
 __all__ = ["ByteSize", "ComponentRef", "EngineSpec", "LOCAL_HOSTS", "ProbeSettings", "SyncConfig",
            "SyncSettings", "build_options", "parse_bytes", "read_config_file"]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+_BYTES: TypeAdapter[pydantic.ByteSize] = TypeAdapter(pydantic.ByteSize)
 
 
 def parse_bytes(value: Any) -> int:
-    """Accepts 67108864, "64MiB", "64 MB", "1GiB"."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{value!r} is not a size; write bytes or e.g. '64MiB', '1GiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """A size as pydantic's ByteSize reads it; a sentence that says what to write otherwise."""
+    try:
+        return int(_BYTES.validate_python(value))
+    except ValidationError:
+        raise ValueError(f"{value!r} is not a size; write bytes or e.g. '64MiB', '1GiB'") from None
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
+"""A size in bytes, read by pydantic's ByteSize: 67108864, "64MiB", "64 MB" (10**6), "1GiB",
+"1.5GiB"; an int to the code that uses it."""
+
+
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 

@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from weightsync.exporters.gather import SENDER, Request, Rows, exchange, rows_of
+from weightsync.sync.ranks import rank
 from weightsync.exporters.plan import (Group, Output, Plan, Source, contiguous_strides,
                                        needed_sources)
 
@@ -25,8 +26,7 @@ _FALLBACK = "full"
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return rank()
 
 
 class Fetcher:

@@ -19,6 +19,7 @@ from weightsync.errors import SyncError, WeightSyncError
 from weightsync.interfaces import Adapter, Encoding, Member, NameMap
 from weightsync.plugins import Components, load_components
 from weightsync.sync.probe import run_probe
+from weightsync.sync.ranks import world
 from weightsync.sync.report import EngineOutcome, SyncReport
 from weightsync.sync.rounds import Calls, Clock, GroupRound, Renewer
 from weightsync.sync.stream import Stream
@@ -27,8 +28,7 @@ log = logging.getLogger("weightsync.sync.pipeline")
 
 
 def _dist() -> Any:
-    import torch.distributed as dist
-    return dist if dist.is_available() and dist.is_initialized() else None
+    return world()
 
 
 def _is_follower() -> bool:

@@ -18,6 +18,7 @@ from weightsync.config import ProbeSettings
 from weightsync.errors import WeightSyncError
 from weightsync.interfaces import Adapter
 from weightsync.interfaces.sampling import Unsupported
+from weightsync.sync.ranks import distributed
 from weightsync.sync.report import SyncReport
 
 log = logging.getLogger("weightsync.sync.probe")
@@ -67,7 +68,7 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
     report (`EngineOutcome.probe`) and fail those over the tolerance."""
     if settings.mode == "off":
         return
-    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    dist = distributed()
     vocab = vocab_of(model) if isinstance(model, torch.nn.Module) and not dist else None
     if vocab is None:
         why = ("the trainer is distributed (rank 0 alone cannot run the model)" if dist else

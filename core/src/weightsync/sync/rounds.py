@@ -24,13 +24,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from weightsync.config import SyncSettings
 from weightsync.errors import EngineUnavailable, EngineUnreachable, WeightSyncError
 from weightsync.interfaces import Adapter, Encoding, NameMap, Transport
+from weightsync.sync.ranks import distributed
 from weightsync.sync.report import SyncReport
 from weightsync.sync.stream import Stream
 
-
-def distributed() -> bool:
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized()
 
 log = logging.getLogger("weightsync.sync.pipeline")
 

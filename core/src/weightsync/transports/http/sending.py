@@ -20,7 +20,7 @@ import requests
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.errors import EngineUnavailable, PayloadError, TransportError
+from weightsync.errors import EngineUnreachable, PayloadError, TransportError
 from weightsync.net.client import Parts, call, session_for
 from weightsync.interfaces import Adapter, Payload, Transport, TransportReceiver
 from weightsync.wire.frame import frame
@@ -181,7 +181,9 @@ class HttpTransport(Transport):
                      headers={**ep.headers, "Content-Type": ctype})
                 return
             except Exception as e:
-                if not isinstance(e, EngineUnavailable) or attempt == self.options.retries:
+                # only a connection that failed before any answer: a timeout may have been
+                # taken (the engine may still be reading the body), so it is never sent twice
+                if not isinstance(e, EngineUnreachable) or attempt == self.options.retries:
                     raise
 
     def _left(self) -> float:

@@ -1,0 +1,26 @@
+"""The one place that knows the trainer's ranks: whether the push runs in a torch.distributed job,
+and which rank this process is. Every part of the push that behaves differently on rank 0 (the
+round, the report, the probe, an exporter gathering shards) asks here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["distributed", "rank", "world"]
+
+
+def world() -> Any:
+    """`torch.distributed` when this process is in an initialized group, else None."""
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def distributed() -> bool:
+    """True when the trainer runs as several ranks (an initialized torch.distributed group)."""
+    return world() is not None
+
+
+def rank() -> int:
+    """This process's rank in the trainer's group; 0 when it is not distributed."""
+    dist = world()
+    return dist.get_rank() if dist is not None else 0
