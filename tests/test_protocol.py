@@ -111,7 +111,7 @@ class Served:
 
 def _start_standin(model: Path, log: Path) -> tuple[str, Callable[[], None]]:
     """The SGLang stand-in (SGLang itself cannot run here) as a process; its url and stop."""
-    from weightsync.testing.engines import free_port
+    from weightsync.net.server import free_port
     port = free_port()
     out = open(log, "ab")
     proc = subprocess.Popen([sys.executable, str(SGLANG_STANDIN), "--model", str(model),

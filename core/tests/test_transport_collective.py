@@ -16,7 +16,8 @@ from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import ConfigError, SyncError
 from weightsync.sync.pipeline import WeightSync
 from weightsync.testing.contracts import TransportContract
-from weightsync.testing.engines import EngineProcess, free_port, start_all
+from weightsync.testing.engines import EngineProcess, start_all
+from weightsync.net.server import free_port
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.transports.collective import pg as pgs
 from weightsync.transports.collective import CollectiveTransport, split_payload

@@ -13,7 +13,7 @@ import requests
 import torch
 from safetensors.torch import load, save_file
 
-from weightsync.testing.engines import free_port
+from weightsync.net.server import free_port
 
 HERE = Path(__file__).parent
 

@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 from safetensors.torch import load
-from weightsync.testing.engines import free_port
+from weightsync.net.server import free_port
 from weightsync.testing.sample import sample_state_dict, write_weights_only_model
 
 HERE = Path(__file__).parent

@@ -8,7 +8,7 @@ import requests
 from weightsync.config import EngineSpec
 from weightsync.errors import ConfigError, EngineError
 from weightsync.sync.pipeline import WeightSync
-from weightsync.testing.engines import free_port
+from weightsync.net.server import free_port
 from weightsync_sglang.adapter import SGLangAdapter
 from weightsync_sglang.versions import from_sglang, to_sglang
 

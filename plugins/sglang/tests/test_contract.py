@@ -14,7 +14,7 @@ from safetensors.torch import load
 from weightsync.config import EngineSpec
 from weightsync.interfaces import Adapter
 from weightsync.testing.contracts import AdapterContract
-from weightsync.testing.engines import free_port
+from weightsync.net.server import free_port
 from weightsync.testing.sample import write_weights_only_model
 from weightsync_sglang.adapter import SGLangAdapter
 

@@ -19,7 +19,7 @@ from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import SyncError
 from weightsync.exporters.torch import TorchExporter
 from weightsync.sync.pipeline import WeightSync
-from weightsync.testing.engines import free_port
+from weightsync.net.server import free_port
 from weightsync.testing.sample import perturb
 from weightsync.transports.collective import split_payload
 from weightsync_sglang.adapter import SGLangAdapter

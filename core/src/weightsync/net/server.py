@@ -36,10 +36,18 @@ from weightsync.net.body import BodyStream
 from weightsync.net.guard import HeadGuard, HeadReader
 
 __all__ = ["Conflict409", "Handler", "HttpError", "MiB", "Route", "Routes", "Server", "Streamed",
-           "make_server"]
+           "free_port", "make_server"]
 
 log = logging.getLogger("weightsync.http")
 MiB = 2**20
+
+
+def free_port(host: str = "") -> int:
+    """A port nobody listens on right now on this host (on every address with `host` ""): for a
+    service, a test engine or a process group that must be told its port before it starts."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class HttpError(WeightSyncError):

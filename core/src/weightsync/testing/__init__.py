@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from weightsync.testing.engines import EngineProcess, free_port, start_all
+from weightsync.testing.engines import EngineProcess, start_all
+
+from weightsync.net.server import free_port
 from weightsync.testing.sample import sample_state_dict, write_weights_only_model
 
 if TYPE_CHECKING:

@@ -19,7 +19,8 @@ from weightsync.errors import PayloadError, SyncError
 from weightsync.interfaces import Adapter, Encoding, Exporter, Transport
 from weightsync.sync.pipeline import WeightSync
 from weightsync.testing.contract_base import _Contract
-from weightsync.testing.engines import EngineProcess, free_port, start_all
+from weightsync.testing.engines import EngineProcess, start_all
+from weightsync.net.server import free_port
 from weightsync.testing.peer_contract import PeerSourceContract, ServingPeer
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 

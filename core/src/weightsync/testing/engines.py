@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,13 +18,9 @@ from safetensors.torch import load
 
 import torch
 
-__all__ = ["EngineProcess", "free_port", "running", "start_all"]
+from weightsync.net.server import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["EngineProcess", "running", "start_all"]
 
 
 class EngineProcess:

@@ -134,7 +134,7 @@ class Baselines:
                    moe: dict[str, torch.Tensor] | None, workers: Any) -> None:
         from safetensors.torch import save_file
 
-        from weightsync.testing.engines import free_port
+        from weightsync.net.server import free_port
         from weightsync.transports.collective import pg as pgs
         R, n = self.receivers, model_bytes(sd)
         raw_r, raw_1 = "gloo broadcast, 1 tensor (raw)", "gloo broadcast, 1 tensor (raw, 1 receiver)"

@@ -12,7 +12,8 @@ import shutil
 import tempfile
 from typing import Any, Iterator, Sequence
 
-from weightsync_ray.runtime import free_port, require_ray
+from weightsync.net.server import free_port
+from weightsync_ray.runtime import require_ray
 
 
 @contextlib.contextmanager

@@ -25,7 +25,8 @@ import ray
 
 from weightsync.config import EngineSpec, build_options
 from weightsync.errors import WeightSyncError
-from weightsync_ray.runtime import ActorGone, ActorRestarting, free_port, get, node_ip, restarted
+from weightsync.net.server import free_port
+from weightsync_ray.runtime import ActorGone, ActorRestarting, get, node_ip, restarted
 from weightsync_ray.launch import EngineLaunch, command, describe
 from weightsync_ray.membership import ActorMembership
 from weightsync_ray.process import ManagedProcess, crash_actor

@@ -5,12 +5,11 @@ silent actor is an error that names the actor, not a Ray traceback."""
 from __future__ import annotations
 
 import re
-import socket
 from typing import Any
 
 from weightsync.errors import WeightSyncError
 
-__all__ = ["ActorGone", "ActorRestarting", "RayMissing", "connect", "free_port", "get", "node_ip",
+__all__ = ["ActorGone", "ActorRestarting", "RayMissing", "connect", "get", "node_ip",
            "reason", "require_ray", "restarted", "short"]
 
 
@@ -58,13 +57,6 @@ def restarted(ctx: Any) -> bool:
 def node_ip() -> str:
     """This node's address as Ray knows it (what other nodes reach it at)."""
     return require_ray().util.get_node_ip_address()
-
-
-def free_port(host: str = "") -> int:
-    """A port nobody listens on right now on this node."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def get(ref: Any, timeout: float, what: str) -> Any:

@@ -26,7 +26,8 @@ import torch
 
 from weightsync.errors import SyncError, WeightSyncError
 from weightsync import SyncReport
-from weightsync_ray.runtime import ActorGone, free_port, get, node_ip, reason, short
+from weightsync.net.server import free_port
+from weightsync_ray.runtime import ActorGone, get, node_ip, reason, short
 from weightsync_ray.engine import placement
 
 log = logging.getLogger("weightsync_ray")

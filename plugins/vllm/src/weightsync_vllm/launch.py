@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import requests
-from weightsync.testing.engines import free_port
+from weightsync.net.server import free_port
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
