@@ -14,7 +14,7 @@ import torch
 from weightsync.cli import main
 from weightsync.fleets import peer as peer_module
 from weightsync.net.server import HttpError
-from weightsync.server import engine as engine_module
+from weightsync_reference.server import engine as engine_module
 
 
 class _LyingStore:

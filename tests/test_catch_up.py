@@ -12,7 +12,7 @@ import pytest
 
 from weightsync import WeightSync
 from weightsync.plugins import load_components
-from weightsync.testing.engines import EngineProcess, start_all
+from weightsync_reference.processes import EngineProcess, start_all
 
 pytest.importorskip("weightsync_disk_delta")
 from weightsync_disk_delta.testing import Trainer, bit_equal, weights_only  # noqa: E402

@@ -8,8 +8,8 @@ import torch
 
 from weightsync import SyncError, WeightSync
 from weightsync.plugins import load_components
-from weightsync.testing import EngineProcess
-from weightsync.testing.engines import start_all
+from weightsync_reference.processes import EngineProcess
+from weightsync_reference.processes import start_all
 from weightsync.testing.models import build_tiny_model, greedy
 
 INSTALLED = load_components().transports

@@ -23,7 +23,7 @@ from weightsync import WeightSync
 from weightsync.fleets.client import RegistryClient
 from weightsync.plugins import load_components
 from weightsync_rl.rollout import RolloutClient
-from weightsync.testing import EngineProcess
+from weightsync_reference.processes import EngineProcess
 from weightsync.testing.waiting import wait_for
 
 KEY = "fleet-key-abcdefghijklmnop"

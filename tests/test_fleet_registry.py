@@ -17,7 +17,7 @@ import requests
 import torch
 from weightsync import WeightSync
 from weightsync.fleets.client import RegistryClient, RegistryError
-from weightsync.testing import EngineProcess
+from weightsync_reference.processes import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.testing.waiting import fleet_member as member
 from weightsync.testing.waiting import wait_for

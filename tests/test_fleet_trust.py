@@ -18,7 +18,7 @@ import torch
 from weightsync import WeightSync
 from weightsync.errors import ConfigError
 from weightsync.fleets.client import RegistryClient, RegistryError
-from weightsync.testing import EngineProcess
+from weightsync_reference.processes import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.testing.waiting import fleet_member as member
 from weightsync.testing.waiting import wait_for
@@ -152,7 +152,7 @@ def test_peer_join_is_anchored_in_the_trainers_digests(model: Any, tmp_path: Pat
     manifest that matches its own bytes: the joiner checks against the trainer's digests,
     names the liar, and takes the version from an honest peer (or waits for the next push)."""
     from weightsync.fleets.member import Membership
-    from weightsync.testing.engines import start_all
+    from weightsync_reference.processes import start_all
     path, sd = model
     with WeightSync.from_config(fleet_cfg(lease=3.0)) as sync:
         url = sync.fleet_url

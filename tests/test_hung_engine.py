@@ -16,12 +16,13 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from weightsync_reference import plugin as reference_plugin
 from weightsync import WeightSync
-from weightsync.adapters.reference import ReferenceAdapter
+from weightsync_reference.adapter import ReferenceAdapter
 from weightsync.hookspecs import hookimpl
 from weightsync.plugins import load_components, make_plugin_manager
-from weightsync.testing import EngineProcess
-from weightsync.testing.engines import start_all
+from weightsync_reference.processes import EngineProcess
+from weightsync_reference.processes import start_all
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 CONTROL_TIMEOUT = 4.0          # the frozen engine's pause/resume/health calls give up after this
@@ -104,6 +105,7 @@ def test_a_frozen_engine_does_not_hold_the_healthy_ones_paused(fleet: Any, call:
     assert frozen.proc is not None
     pm = make_plugin_manager(load_entrypoints=False)
     pm.register(Plugin(), name="test-freezes-at")
+    pm.register(reference_plugin, name="reference")
     with WeightSync.from_config(config(engines), components=load_components(pm)) as sync:
         v = max(e.health()["version"] for e in engines) + 1
         STOP["frozen"] = (frozen.proc.pid, call)

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightsync.wire.signing import checkpoint_signature, sign_checkpoint
-from weightsync.testing import EngineProcess
-from weightsync.testing.engines import start_all
+from weightsync_reference.processes import EngineProcess
+from weightsync_reference.processes import start_all
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 KEY = "engine-key-0123456789abc"

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from weightsync import SyncError, WeightSync
-from weightsync.testing import EngineProcess
+from weightsync_reference.processes import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 

@@ -32,6 +32,7 @@ DISTS = {                                   # distribution -> its directory in t
     "weightsync-bench": "plugins/bench",
     "weightsync-ray": "plugins/ray",
     "weightsync-rl": "plugins/rl",
+    "weightsync-reference": "plugins/reference",
 }
 PACKAGES = {dist: "weightsync" if dist == "weightsync-core" else dist.replace("-", "_")
             for dist in DISTS}
@@ -46,6 +47,12 @@ UNDECLARED_OK = {
         "vllm": "the engine: imported only inside vLLM's own processes (backend, vllm_plugin)",
         "transformers": "weightsync_vllm.testing builds a model for a live vLLM, which brings it",
         "tokenizers": "weightsync_vllm.testing builds a tokenizer for a live vLLM, which brings it",
+    },
+}
+# requirements a distribution needs at run time without importing them, and why
+USED_UNIMPORTED = {
+    "weightsync-rl": {
+        "weightsync-reference": "the demo's default engine, started by its adapter kind, never imported",
     },
 }
 # engines a plugin's modules may import at module level: those modules load only in the engine
@@ -117,7 +124,8 @@ def test_every_import_is_declared(dist: str) -> None:
 @pytest.mark.parametrize("dist", DISTS)
 def test_nothing_declared_is_unused(dist: str) -> None:
     used = {IMPORT_TO_DIST.get(top, top.replace("_", "-")).lower() for top in imports(dist)}
-    unused = {name: where for name, where in requirements(dist).items() if name not in used}
+    unused = {name: where for name, where in requirements(dist).items()
+              if name not in used and name not in USED_UNIMPORTED.get(dist, {})}
     if dist == "weightsync-core" and not (ROOT / "core/src/weightsync/ray").exists():
         unused.pop("ray", None)   # the `ray` extra is the install name of the coming weightsync_ray
     assert not unused, f"{dist} declares requirements its code never imports: {unused}"
@@ -215,20 +223,19 @@ def test_markdown_links_stay_inside_and_exist() -> None:
 
 
 def test_contract_kit_loads_pytest_only_for_the_contracts() -> None:
-    """`weightsync.testing` and its engine helpers import with pytest blocked; the contract
+    """`weightsync.testing` and its sample weights import with pytest blocked; the contract
     classes then say which extra brings it."""
     code = ("import sys; sys.modules['pytest'] = None\n"
             "import weightsync.testing as t\n"
-            "from weightsync.testing import EngineProcess, free_port, sample_state_dict\n"
-            "import weightsync.testing.engines, weightsync.testing.models, weightsync.testing.sample\n"
-            "try:\n    t.TransportContract\nexcept ModuleNotFoundError as e:\n    print(e)\n")
+            "from weightsync.testing import perturb, sample_state_dict\n"
+            "import weightsync.testing.models, weightsync.testing.sample\n"
+            "try:\n    t.EncodingContract\nexcept ModuleNotFoundError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "weightsync-core[testing]" in r.stdout
-    from weightsync.testing import (AdapterContract, EncodingContract, ExporterContract,
-                                    TransportContract)
-    assert {c.__module__ for c in (AdapterContract, EncodingContract, ExporterContract,
-                                   TransportContract)} == {"weightsync.testing.contracts"}
+    from weightsync.testing import AdapterContract, EncodingContract, ExporterContract
+    assert {c.__module__ for c in (AdapterContract, EncodingContract, ExporterContract)} \
+        == {"weightsync.testing.contracts"}
 
 
 # -- wheels and sdists -------------------------------------------------------------------------
@@ -321,6 +328,7 @@ PLUGIN_COMPONENTS = {
     "weightsync-bench": ("bench", set()),
     "weightsync-ray": ("ray", {"fleet:ray"}),
     "weightsync-rl": ("rl", set()),
+    "weightsync-reference": ("reference", {"adapter:reference"}),
 }
 
 
@@ -386,6 +394,8 @@ def test_installs_alone_imports_everything_and_runs_its_commands(dist: str, alon
     if dist == "weightsync-rl":
         assert "--steps" in run_ok(env, "weightsync", "demo", "--help")
         assert "--fleet" in run_ok(env, "weightsync", "route", "--help")
+    if dist == "weightsync-reference":
+        assert "--load-root" in run_ok(env, "weightsync", "serve", "--help")
     if dist == "weightsync-bench":
         assert "--receivers" in run_ok(env, "weightsync", "bench", "--help")
     if dist == "weightsync-disk-delta":

@@ -28,9 +28,10 @@ import pytest
 import requests
 import torch
 
+from weightsync_reference import plugin as reference_plugin
 from weightsync import SyncError, WeightSync
-from weightsync.testing import EngineProcess
-from weightsync.testing.engines import start_all
+from weightsync_reference.processes import EngineProcess
+from weightsync_reference.processes import start_all
 from weightsync.testing.models import build_tiny_model, greedy
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
@@ -461,7 +462,7 @@ def test_a_hung_engine_is_dropped_within_the_deadline(tmp_path: Path, transport:
 
 # -- 5. one version across the fleet; commit failures --------------------------------------------
 def test_an_engine_failing_at_commit_is_reported_with_the_version_it_holds(tmp_path: Path) -> None:
-    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync_reference.adapter import ReferenceAdapter
     from weightsync.hookspecs import hookimpl
     from weightsync.plugins import load_components, make_plugin_manager
 
@@ -479,6 +480,7 @@ def test_an_engine_failing_at_commit_is_reported_with_the_version_it_holds(tmp_p
 
     pm = make_plugin_manager(load_entrypoints=False)
     pm.register(Plugin(), name="test-refuses-commit")
+    pm.register(reference_plugin, name="reference")
     sd = sample_state_dict()
     model = write_weights_only_model(tmp_path / "m", sd)
     with EngineProcess(model, name="good", log=tmp_path / "a.log") as a, \

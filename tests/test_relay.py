@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from weightsync import WeightSync
-from weightsync.testing import EngineProcess
-from weightsync.testing.engines import running
+from weightsync_reference.processes import EngineProcess
+from weightsync_reference.processes import running
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 HERE = Path(__file__).resolve().parent

@@ -16,8 +16,8 @@ import torch
 
 from weightsync import WeightSync
 from weightsync.plugins import load_components
-from weightsync.testing import EngineProcess
-from weightsync.testing.engines import running
+from weightsync_reference.processes import EngineProcess
+from weightsync_reference.processes import running
 from weightsync.testing.sample import sample_state_dict, write_weights_only_model
 
 HERE = Path(__file__).resolve().parent
@@ -170,7 +170,7 @@ def test_star_keeps_the_trainers_whole_tensor_round(
 def test_joiners_spread_over_peers_leaves_first() -> None:
     """Fewest joiners assigned first; among equals a member that feeds no one in the relay plan,
     then by name."""
-    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync_reference.adapter import ReferenceAdapter
     from weightsync.sync.peer_join import pick_peers
     from weightsync.config import EngineSpec
 

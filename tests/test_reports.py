@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from weightsync import WeightSync
 from weightsync.sync.report import EngineOutcome, SyncReport
-from weightsync.testing import EngineProcess
+from weightsync_reference.processes import EngineProcess
 from weightsync.net.server import free_port
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 

@@ -14,7 +14,7 @@ import torch
 from weightsync import SyncError, WeightSync
 from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
-from weightsync.testing import EngineProcess
+from weightsync_reference.processes import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.wire.frame import frame
 

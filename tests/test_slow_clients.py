@@ -20,7 +20,7 @@ import requests
 
 from weightsync import WeightSync
 from weightsync.net.bodyserver import BodyServer
-from weightsync.testing import EngineProcess
+from weightsync_reference.processes import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 KEY = "slow-clients-key-0123456789"

@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from weightsync.testing import free_port, sample_state_dict, write_weights_only_model
+from weightsync.testing import sample_state_dict, write_weights_only_model
+
+from weightsync.net.server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "docs" / "writing-plugins.md"
@@ -81,8 +83,9 @@ def test_every_shell_command_of_the_tutorial_in_a_fresh_venv(fresh_env, git_mirr
     commands = console_commands(TUTORIAL.read_text())
     assert len(commands) >= 8, commands
     assert [c for c, _ in commands[:2]] == [f"git clone {PROJECT_URL}",
-                                            "pip install './weightsync/core[testing]'"], \
-        "the page starts by installing core"
+                                            "pip install './weightsync/core[testing]' "
+                                            "'./weightsync/plugins/reference[testing]'"], \
+        "the page starts by installing core and the reference engine"
     env = fresh_env("tutorial", with_pip=True)
     server = None
     try:

@@ -34,8 +34,9 @@ from safetensors.torch import load_file
 from weightsync import WeightSync
 from weightsync_bench.measure import DELTA_DENSITY, cpu_seconds, perturbed
 from weightsync_bench.model import model_bytes
-from weightsync.testing import EngineProcess, start_all
+from weightsync_reference.processes import start_all
 from weightsync_bench.netns import link_bytes
+from weightsync_reference.processes import EngineProcess
 
 from floor import relay_floor
 

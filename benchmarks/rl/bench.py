@@ -28,8 +28,8 @@ from weightsync import WeightSync
 from weightsync_rl.demo import LR, build_demo_model
 from weightsync_rl import CountingTask, RLLoop
 from weightsync_rl.rollout import RolloutClient, SamplingParams
-from weightsync.testing import EngineProcess
-from weightsync.testing.engines import start_all
+from weightsync_reference.processes import EngineProcess
+from weightsync_reference.processes import start_all
 
 
 def throughput(client: RolloutClient) -> dict[str, float]:

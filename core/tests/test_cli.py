@@ -16,9 +16,10 @@ def test_plugins_json_lists_builtins_and_installed_plugins():
     core = rows["weightsync.builtin"]
     import weightsync
     assert core["distribution"] == "weightsync-core" and core["version"] == weightsync.__version__
-    assert {"transport:http", "encoding:raw", "encoding:cast", "exporter:torch",
-            "adapter:reference"} <= set(core["components"])
-    for ep in ("sglang", "vllm", "lmdeploy", "disk_delta"):
+    assert {"transport:http", "encoding:raw", "encoding:cast", "exporter:torch"} \
+        <= set(core["components"])
+    assert "adapter:reference" in rows["reference"]["components"]
+    for ep in ("sglang", "vllm", "lmdeploy", "disk_delta", "reference", "bench", "ray", "rl"):
         assert ep in rows and rows[ep]["distribution"].startswith("weightsync-")
 
 

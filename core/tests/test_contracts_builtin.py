@@ -3,15 +3,15 @@
 from pathlib import Path
 
 
-from weightsync.adapters.reference import ReferenceAdapter
+from weightsync_reference.adapter import ReferenceAdapter
 from weightsync.config import EngineSpec
 from weightsync.encodings.cast import CastEncoding
 from weightsync.encodings.raw import RawEncoding
 from weightsync.exporters.torch import TorchExporter
 from weightsync.fleets.peer import HttpPeerSource, new_token
-from weightsync.testing import (AdapterContract, EncodingContract, EngineProcess, ExporterContract,
-                                PeerSourceContract, ServingPeer, TransportContract,
-                                write_weights_only_model)
+from weightsync.testing import AdapterContract, EncodingContract, ExporterContract, PeerSourceContract, ServingPeer, write_weights_only_model
+from weightsync_reference.contracts import TransportContract
+from weightsync_reference.processes import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict
 from weightsync.transports.http.sending import HttpTransport
 

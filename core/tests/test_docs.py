@@ -17,7 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
+from weightsync.testing import sample_state_dict, write_weights_only_model
+
+from weightsync_reference.processes import EngineProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -107,11 +109,11 @@ def test_tutorial_config_checks_and_traces(installed: dict) -> None:
     from one run (the trace goes to stderr, the check's answer to stdout)."""
     (config, command, output), = CHECK_BLOCK.findall(tutorial())
     assert command == f"weightsync check {config}"
-    trace = re.search(rf"```console\n\$ WEIGHTSYNC_TRACE_PLUGINS=1 WEIGHTSYNC_PLUGINS=echo "
+    trace = re.search(rf"```console\n\$ WEIGHTSYNC_TRACE_PLUGINS=1 WEIGHTSYNC_PLUGINS=echo,reference "
                       rf"{command}\n(.*?)```", tutorial(), re.S)
     assert trace is not None
     r = run(installed, "-m", "weightsync", "check", config,
-            WEIGHTSYNC_TRACE_PLUGINS="1", WEIGHTSYNC_PLUGINS="echo")
+            WEIGHTSYNC_TRACE_PLUGINS="1", WEIGHTSYNC_PLUGINS="echo,reference")
     assert r.returncode == 0, r.stderr
     assert r.stdout == output
     traced = [line for line in r.stderr.splitlines() if line.startswith("weightsync: register_")]
@@ -122,7 +124,7 @@ def test_example_contract_tests_pass(installed: dict) -> None:
     """What step 7 shows: the example's own pytest run, engines included, all passing."""
     r = run(installed, "-m", "pytest", "-q", "-p", "no:cacheprovider",
             str(installed["src"] / "tests"),
-            timeout=300, WEIGHTSYNC_PLUGINS="echo")
+            timeout=300, WEIGHTSYNC_PLUGINS="echo,reference")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     summary = r.stdout.strip().splitlines()[-1]
     want = re.search(r"^(\d+) passed in", tutorial(), re.M)
@@ -133,7 +135,7 @@ def test_push_script_moves_weights_through_files(installed: dict, tmp_path: Path
     """Step 8 with the engine on a free port: two versions land bit-exact and verified."""
     sd = sample_state_dict()
     model = write_weights_only_model(tmp_path / "my-model", sd)
-    env = {"PYTHONPATH": installed["env"]["PYTHONPATH"], "WEIGHTSYNC_PLUGINS": "echo"}
+    env = {"PYTHONPATH": installed["env"]["PYTHONPATH"], "WEIGHTSYNC_PLUGINS": "echo,reference"}
     with EngineProcess(model, log=tmp_path / "engine.log", env=env) as engine:
         config = (installed["work"] / "echo-sync.yaml").read_text()
         assert "http://127.0.0.1:8100" in config and "/tmp/weightsync-echo" in config
@@ -141,7 +143,7 @@ def test_push_script_moves_weights_through_files(installed: dict, tmp_path: Path
             "/tmp/weightsync-echo", str(tmp_path / "echo"))
         (tmp_path / "sync.yaml").write_text(config)
         r = run(installed, "push_echo.py", str(tmp_path / "sync.yaml"),
-                str(model / "model.safetensors"), WEIGHTSYNC_PLUGINS="echo")
+                str(model / "model.safetensors"), WEIGHTSYNC_PLUGINS="echo,reference")
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         assert [line.split(":")[0] for line in lines] == ["v1", "v2"]
@@ -250,7 +252,8 @@ def _readme_table(text: str, head: str) -> list[list[str]]:
 DIST_DIRS = {"weightsync-core": "core", "weightsync-disk-delta": "plugins/disk_delta",
              "weightsync-sglang": "plugins/sglang", "weightsync-vllm": "plugins/vllm",
              "weightsync-lmdeploy": "plugins/lmdeploy", "weightsync-bench": "plugins/bench",
-             "weightsync-ray": "plugins/ray", "weightsync-rl": "plugins/rl"}
+             "weightsync-ray": "plugins/ray", "weightsync-rl": "plugins/rl",
+             "weightsync-reference": "plugins/reference"}
 
 
 def test_readme_extras_table_matches_the_pyprojects() -> None:

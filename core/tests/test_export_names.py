@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from weightsync import SyncError, WeightSync
 from weightsync.exporters.names import NameMismatchError, check_names, checkpoint_names
 from weightsync.exporters.torch import TorchExporter
-from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
+from weightsync.testing import sample_state_dict, write_weights_only_model
+from weightsync_reference.processes import EngineProcess
 
 pytest.importorskip("transformers")
 

@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.testing import EngineProcess, free_port, write_weights_only_model
+from weightsync.testing import write_weights_only_model
+
+from weightsync.net.server import free_port
+
+from weightsync_reference.processes import EngineProcess
 
 pytest.importorskip("transformers")
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from weightsync.exporters.torch import TorchExporter, split_fused
-from weightsync.testing import EngineProcess, write_weights_only_model
+from weightsync.testing import write_weights_only_model
+from weightsync_reference.processes import EngineProcess
 
 
 def export(model, bucket_bytes=1024, **kw):
@@ -122,7 +123,7 @@ def test_dtensor_fsdp2_shards_gathered_across_gloo_processes(tmp_path):
     full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     script = tmp_path / "fsdp.py"
     script.write_text(DTENSOR_SCRIPT)
-    from weightsync.testing import free_port
+    from weightsync.net.server import free_port
     with EngineProcess(write_weights_only_model(tmp_path / "m", {k: torch.zeros_like(v) for k, v in full.items()})) as eng:
         port = free_port()
         procs = [subprocess.Popen([sys.executable, str(script), eng.url],

@@ -9,7 +9,8 @@ from typing import Any
 from weightsync import WeightSync
 from weightsync.fleets.client import RegistryClient
 from weightsync.fleets.static import StaticFleet
-from weightsync.testing import EngineProcess, FleetContract
+from weightsync_reference.contracts import FleetContract
+from weightsync_reference.processes import EngineProcess
 
 KEY = "contract-fleet-key-0123"
 

@@ -138,7 +138,8 @@ def test_over_http_a_live_engine_refuses_fuzzed_frames_and_keeps_its_version(tmp
 
     import requests
 
-    from weightsync.testing import EngineProcess, write_weights_only_model
+    from weightsync.testing import write_weights_only_model
+    from weightsync_reference.processes import EngineProcess
     rng = random.Random(5)
     with EngineProcess(write_weights_only_model(tmp_path / "m", LIVE), log=tmp_path / "e.log") as eng:
         begin = requests.post(eng.url + "/weightsync/begin", json={**PLAN, "lease": 60}, timeout=10)

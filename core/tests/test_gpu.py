@@ -17,9 +17,10 @@ from weightsync.wire.bucket import Bucket, digest_tensors
 from weightsync.encodings.cast import CastEncoding
 from weightsync.exporters.torch import TorchExporter
 from weightsync.wire.mlh import _triton, chunk_sums
-from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
-from weightsync.testing.engines import start_all
+from weightsync.testing import sample_state_dict, write_weights_only_model
+from weightsync_reference.processes import start_all
 from weightsync.testing.sample import perturb
+from weightsync_reference.processes import EngineProcess
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

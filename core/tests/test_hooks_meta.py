@@ -19,8 +19,9 @@ from typing import Iterator
 import pluggy
 import pytest
 
+from weightsync_reference import plugin as reference_plugin
 from weightsync import hookspecs
-from weightsync.adapters.reference import ReferenceAdapter
+from weightsync_reference.adapter import ReferenceAdapter
 from weightsync.sync.assembly import resolve
 from weightsync.config import SyncConfig
 from weightsync.encodings.raw import RawEncoding
@@ -28,8 +29,9 @@ from weightsync.errors import ConfigError, PluginError
 from weightsync.exporters.torch import TorchExporter
 from weightsync.hookspecs import hookimpl
 from weightsync.plugins import describe_plugins, load_components, make_plugin_manager
-from weightsync.testing import EngineProcess, sample_state_dict, write_weights_only_model
+from weightsync.testing import sample_state_dict, write_weights_only_model
 from weightsync.transports.http.sending import HttpTransport
+from weightsync_reference.processes import EngineProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS_MD = ROOT / "docs" / "hooks.md"
@@ -118,6 +120,7 @@ def test_hook_register_exporters(tmp_path: Path) -> None:
 
     pm = make_plugin_manager(load_entrypoints=False)
     pm.register(Plugin(), name="small-buckets-plugin")
+    pm.register(reference_plugin, name="reference")
     components = load_components(pm)
     assert components.exporters.get("small-buckets") is SmallBuckets
     assert "torch" in components.exporters
@@ -207,6 +210,7 @@ def test_hook_register_fleets() -> None:
 
     pm = make_plugin_manager(load_entrypoints=False)
     pm.register(Plugin(), name="fixed-fleet-plugin")
+    pm.register(reference_plugin, name="reference")
     components = load_components(pm)
     assert components.fleets.get("fixed") is Fixed
     resolved = resolve(SyncConfig.load({"fleet": "fixed", "engines": [{"url": "http://127.0.0.1:8100"}]}),
@@ -480,7 +484,7 @@ def test_plugins_allowlist_and_autoload_switch(site: Path, monkeypatch: pytest.M
     assert entry_point_plugins(components.pm) == set() and components.failed == {}
     assert {"http", "collective"} <= set(components.transports.names())
     assert "raw" in components.encodings and "torch" in components.exporters
-    assert "reference" in components.adapters
+    assert "reference" not in components.adapters          # the reference engine is a plugin too
 
     monkeypatch.setenv("WEIGHTSYNC_PLUGINS", "meta_good")
     assert entry_point_plugins(make_plugin_manager()) == {"meta_good"}

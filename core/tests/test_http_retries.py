@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from weightsync.adapters.reference import ReferenceAdapter
+from weightsync_reference.adapter import ReferenceAdapter
 from weightsync.config import EngineSpec
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import EngineUnavailable, EngineUnreachable

@@ -15,8 +15,8 @@ from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import ConfigError, SyncError
 from weightsync.sync.pipeline import WeightSync
-from weightsync.testing.contracts import TransportContract
-from weightsync.testing.engines import EngineProcess, start_all
+from weightsync_reference.contracts import TransportContract
+from weightsync_reference.processes import EngineProcess, start_all
 from weightsync.net.server import free_port
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.transports.collective import pg as pgs
@@ -144,7 +144,7 @@ def test_buckets_are_announced_ahead_and_an_aborted_round_leaves_no_stale_announ
             assert r.ok and r.verified, r.summary()
             assert taken == [True] * r.buckets and r.buckets > 3
             first = sync.transport.group.name
-            from weightsync.adapters.reference import ReferenceAdapter
+            from weightsync_reference.adapter import ReferenceAdapter
             seen: list[int] = []
 
             def observe(self, payload):        # the 2nd bucket is packed and announced, never sent
@@ -227,7 +227,7 @@ def test_only_engine_never_joins_raises(tmp_path: Path) -> None:
 
 
 def test_mixed_layouts_refused() -> None:
-    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync_reference.adapter import ReferenceAdapter
 
     class Flat(ReferenceAdapter):
         layout = "flat"

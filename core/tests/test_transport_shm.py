@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from weightsync.adapters.reference import ReferenceAdapter
+from weightsync_reference.adapter import ReferenceAdapter
 from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError, TransportError
 from weightsync.sync.pipeline import WeightSync
-from weightsync.testing.contracts import TransportContract
-from weightsync.testing.engines import EngineProcess
+from weightsync_reference.contracts import TransportContract
+from weightsync_reference.processes import EngineProcess
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.transports.shm import cuda_ipc
 from weightsync.transports.shm import SHM_DIR, ShmReceiver, ShmTransport

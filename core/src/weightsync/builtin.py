@@ -30,12 +30,6 @@ def register_transports(register):  # noqa: ANN001, ANN201
 
 
 @hookimpl
-def register_adapters(register):  # noqa: ANN001, ANN201
-    from weightsync.adapters.reference import ReferenceAdapter
-    register(ReferenceAdapter)
-
-
-@hookimpl
 def register_fleets(register):  # noqa: ANN001, ANN201
     from weightsync.fleets.registry import RegistryFleet
     from weightsync.fleets.static import StaticFleet

@@ -56,24 +56,6 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-    # OpenMP threads that wait passively: engine processes often share a host's cores (several
-    # per host, relays staging beside generation), and torch's default busy-wait after every
-    # parallel op burned several times a delta's decode in CPU there. Read when torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if not Path(args.model).is_dir():
-        raise UserError(f"model directory {args.model} does not exist (give --model the "
-                        f"directory with config.json and *.safetensors)")
-    from weightsync.server import serve
-    serve(args.model, args.host, args.port, args.api_key, args.name, args.device,
-          api_key_file=args.api_key_file, load_roots=args.load_root, fleet=args.fleet,
-          fleet_key=args.fleet_key, advertise=args.advertise, verbosity=args.verbose - args.quiet,
-          hmac_key_file=args.hmac_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    return 0
-
-
 def _check(args: argparse.Namespace) -> int:
     from weightsync.sync.check import check_config
     problems, summary = check_config(args.config)
@@ -129,28 +111,6 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plugins", help="list installed plugins and their components", formatter_class=_FMT)
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sp.set_defaults(fn=_plugins)
-
-    sp = sub.add_parser("serve", help="run the reference engine (needs weightsync-core[serve] for "
-                        "models with config.json)", formatter_class=_FMT)
-    sp.add_argument("--model", required=True, help="HF model directory (or safetensors only)")
-    sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sp.add_argument("--port", type=int, default=8100, help="port to listen on (0: any free port)")
-    key_args(sp, "the engine", "WEIGHTSYNC_API_KEY")
-    sp.add_argument("--name", default=None, help="engine name in reports (default host:port)")
-    sp.add_argument("--device", default="cpu", help="where the weights live: cpu, cuda, cuda:N")
-    sp.add_argument("--load-root", action="append", default=[], metavar="DIR",
-                    help="a directory load_from_disk may read below (repeatable; none: refused)")
-    sp.add_argument("--fleet", default=None, metavar="URL", help="register with this fleet registry")
-    sp.add_argument("--fleet-key", default=None, help="the registry's API key (or $WEIGHTSYNC_FLEET_KEY)")
-    sp.add_argument("--advertise", default=None, metavar="URL",
-                    help="the URL the registry and trainer reach this engine at (default from --host/--port)")
-    sp.add_argument("--hmac-key-file", default=None, help="refuse payloads not signed with this "
-                    "shared key (also $WEIGHTSYNC_HMAC_KEY)")
-    sp.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM)")
-    sp.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
-    sp.add_argument("-v", "--verbose", action="count", default=0, help="more log lines (-v: debug)")
-    sp.add_argument("-q", "--quiet", action="count", default=0, help="warnings only")
-    sp.set_defaults(fn=_serve)
 
     sp = sub.add_parser("check", help="validate a sync config against the installed plugins "
                         "(every problem at once)", formatter_class=_FMT)

@@ -69,7 +69,7 @@ def test_use_weightsync_swaps_trl_seams_and_undo_restores_them() -> None:
 def test_no_engine_reached_raises_and_keeps_the_report() -> None:
     """Every engine down: the push raises (TRL's step fails loudly, no silent hang) and the
     report, naming the engine and the stage, is still kept."""
-    from weightsync.testing import free_port
+    from weightsync.net.server import free_port
     port = free_port()
     wt = WeightSyncTransfer({"engines": [{"url": f"http://127.0.0.1:{port}", "name": "gone"}],
                              "sync": {"progress": "off", "deadline": 30}})

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from weightsync import WeightSync
-from weightsync.testing.engines import EngineProcess
+from weightsync_reference.processes import EngineProcess
 from weightsync_disk_delta.local import LocalCheckpoint
 from weightsync_disk_delta.testing import Trainer, bit_equal, publish_config, weights_only
 

@@ -7,7 +7,8 @@ from safetensors.torch import save_file
 
 from weightsync.wire.bucket import Bucket
 from weightsync.interfaces import Encoding, Transport
-from weightsync.testing.contracts import EncodingContract, TransportContract
+from weightsync.testing.contracts import EncodingContract
+from weightsync_reference.contracts import TransportContract
 from weightsync.testing.sample import sample_state_dict
 from weightsync_disk_delta.encoding import DeltaEncoding
 from weightsync_disk_delta.transport import DiskDeltaTransport

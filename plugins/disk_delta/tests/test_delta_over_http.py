@@ -6,7 +6,7 @@ from pathlib import Path
 import requests
 
 from weightsync import WeightSync
-from weightsync.testing.engines import EngineProcess, start_all
+from weightsync_reference.processes import EngineProcess, start_all
 
 from weightsync_disk_delta.testing import Trainer, bit_equal, weights_only
 
@@ -83,7 +83,7 @@ def test_reference_engine_load_from_disk_checks_before_applying(tmp_path: Path) 
         r = requests.post(e.url + "/weightsync/load_from_disk",
                           json={"path": str(tmp_path / "nope"), "version": 5}, timeout=30)
         assert r.status_code == 400 and "does not exist" in r.json()["error"]
-        from weightsync.adapters.reference import ReferenceAdapter
+        from weightsync_reference.adapter import ReferenceAdapter
         from weightsync.config import EngineSpec
         ad = ReferenceAdapter(None, EngineSpec(url=e.url))
         ad.load_from_disk(str(good), 5)

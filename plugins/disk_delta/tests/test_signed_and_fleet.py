@@ -102,9 +102,9 @@ def test_an_agent_shows_its_host_in_the_fleet(tmp_path: Path) -> None:
 def test_the_agent_signs_what_it_loads_into_an_engine_holding_the_key(tmp_path: Path) -> None:
     """A reference engine with an HMAC key loads only signed checkpoints; the agent, which checked
     every signed manifest, signs the local checkpoint it hands the engine."""
-    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync_reference.adapter import ReferenceAdapter
     from weightsync.config import EngineSpec
-    from weightsync.testing.engines import EngineProcess
+    from weightsync_reference.processes import EngineProcess
     from weightsync_disk_delta.testing import weights_only
     tr = Trainer(tmp_path / "model")
     served = weights_only(tmp_path / "model", tmp_path / "served")

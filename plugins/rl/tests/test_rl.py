@@ -17,8 +17,8 @@ from weightsync import WeightSync
 from weightsync.errors import SyncError
 from weightsync_rl.rollout import RolloutClient, RolloutRouter, SamplingParams, StaleEngines, Unsupported
 from weightsync_rl.rollout.remote import RouterClient
-from weightsync.testing import EngineProcess
-from weightsync.testing.engines import start_all
+from weightsync_reference.processes import EngineProcess
+from weightsync_reference.processes import start_all
 from weightsync.testing.models import build_tiny_model, load_trainer_model
 
 HERE = Path(__file__).parent
@@ -95,7 +95,7 @@ def test_samples_carry_logprobs_versions_and_spread_over_the_fleet(model_dir: Pa
 
 
 def test_a_parameter_an_engine_cannot_honour_is_refused(pair: list[EngineProcess]) -> None:
-    from weightsync.adapters.reference import ReferenceAdapter
+    from weightsync_reference.adapter import ReferenceAdapter
     from weightsync.plugins import load_components
 
     class GreedyOnly(ReferenceAdapter):

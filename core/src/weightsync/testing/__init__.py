@@ -1,34 +1,31 @@
-"""The contract kit: base test classes a plugin subclasses in a few lines, plus helpers to run
-reference engines as real processes and to build tiny models offline.
+"""The contract kit: base test classes a plugin subclasses in a few lines, and the sample weights
+they push. The contracts that need real receiving engines (transports, fleet sources) come with
+the reference engine (`weightsync_reference.contracts`).
 
-    from weightsync.testing import TransportContract
+    from weightsync.testing import EncodingContract
 
-    class TestMyTransport(TransportContract):
-        def make_transport(self, tmp_path):
-            return MyTransport(MyTransport.Options())
+    class TestMyEncoding(EncodingContract):
+        def make_encoding(self):
+            return MyEncoding(MyEncoding.Options())
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from weightsync.testing.engines import EngineProcess, start_all
-
-from weightsync.net.server import free_port
-from weightsync.testing.sample import sample_state_dict, write_weights_only_model
+from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 if TYPE_CHECKING:
     from weightsync.testing.contracts import (AdapterContract, EncodingContract, ExporterContract,
-                                              FleetContract, PeerSourceContract, ServingPeer,
-                                              TransportContract)
+                                              PeerSourceContract, ServingPeer)
 
-_CONTRACTS = ("AdapterContract", "EncodingContract", "ExporterContract", "FleetContract",
-              "PeerSourceContract", "ServingPeer", "TransportContract")
+_CONTRACTS = ("AdapterContract", "EncodingContract", "ExporterContract", "PeerSourceContract",
+              "ServingPeer")
 
 
 def __getattr__(name: str) -> Any:
     """The contract classes load on first use: they need pytest (the `testing` extra), while the
-    engine helpers here also serve `weightsync demo` and `bench` on a plain install."""
+    sample weights also serve plain installs."""
     if name not in _CONTRACTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
@@ -41,6 +38,5 @@ def __getattr__(name: str) -> Any:
     return getattr(contracts, name)
 
 
-__all__ = ["AdapterContract", "EncodingContract", "EngineProcess", "ExporterContract",
-           "FleetContract", "PeerSourceContract", "ServingPeer", "TransportContract", "free_port",
-           "sample_state_dict", "start_all", "write_weights_only_model"]
+__all__ = ["AdapterContract", "EncodingContract", "ExporterContract", "PeerSourceContract",
+           "ServingPeer", "perturb", "sample_state_dict", "write_weights_only_model"]

@@ -1,16 +1,19 @@
-"""The base of every contract class (weightsync.testing.contracts): overriding a contract test
-is allowed only with an xfail mark that says why."""
+"""The base of every contract class (weightsync.testing.contracts, and the engine-process contracts
+of weightsync_reference.contracts): overriding a contract test is allowed only with an xfail mark
+that says why."""
 
 from __future__ import annotations
 
-_PACKAGE = __name__.rsplit(".", 1)[0] + "."
+__all__ = ["Contract"]
 
 
-class _Contract:
+class Contract:
+    """Subclassed directly by each contract class (`TransportContract(Contract, abc.ABC)`), whose
+    tests a plugin's subclass inherits."""
+
     def test_no_silent_overrides(self) -> None:
         """A subclass that overrides a contract test must mark it xfail with a reason."""
-        base = next(c for c in type(self).__mro__
-                    if c.__module__.startswith(_PACKAGE) and c is not _Contract)
+        base = next(c for c in type(self).__mro__ if Contract in c.__bases__)
         for name in dir(base):
             if not name.startswith("test_") or name == "test_no_silent_overrides":
                 continue

@@ -15,7 +15,7 @@ import torch
 from weightsync.wire.bucket import digest_tensors, dtype_name
 from weightsync.errors import PayloadError
 from weightsync.interfaces import PeerSource
-from weightsync.testing.contract_base import _Contract
+from weightsync.testing.contract_base import Contract
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ServingPeer:
     version: int
 
 
-class PeerSourceContract(_Contract, abc.ABC):
+class PeerSourceContract(Contract, abc.ABC):
     """For peer sources (how a joining member fetches a current member's weights). A subclass
     gives the source and a serving member; every test opens a share of its own on that member,
     which serves for the whole class."""

@@ -1,7 +1,7 @@
 import pytest
 
 from weightsync import PayloadError, load_components, make_plugin_manager
-from weightsync.testing import TransportContract
+from weightsync_reference.contracts import TransportContract
 from weightsync_echo.transport import EchoTransport
 
 

@@ -74,7 +74,7 @@ def gpu_rows(bench: Any, sd_cpu: dict[str, torch.Tensor], model_dir: Path) -> li
     from torch.multiprocessing.reductions import reduce_tensor
 
     from weightsync_bench.measure import Row
-    from weightsync.testing.engines import EngineProcess
+    from weightsync_reference.processes import EngineProcess
     log, repeat, R = bench.log, bench.repeat, bench.receivers
     n = model_bytes(sd_cpu)
     sd = {k: t.cuda() for k, t in sd_cpu.items()}

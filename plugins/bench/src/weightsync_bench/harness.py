@@ -210,7 +210,7 @@ class Bench(Baselines, TransportRows):
 
     class _Engines:
         def __init__(self, bench: Bench, model_dir: Path, tag: str, env: dict[str, str] | None) -> None:
-            from weightsync.testing.engines import EngineProcess
+            from weightsync_reference.processes import EngineProcess
             self.engines = [EngineProcess(model_dir, name=f"bench-{tag}{i}", env=env,
                                           log=bench.work / f"engine-{tag}{i}.log")
                             for i in range(bench.receivers)]

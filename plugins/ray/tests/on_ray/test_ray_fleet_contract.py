@@ -10,7 +10,8 @@ from typing import Any, Iterator
 import pytest
 
 from weightsync import WeightSync
-from weightsync.testing import EngineProcess, FleetContract
+from weightsync_reference.contracts import FleetContract
+from weightsync_reference.processes import EngineProcess
 
 NAMESPACE = "weightsync-contract"
 

@@ -49,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("demo", help="a GRPO run whose rollouts come from live engines, pushing "
-                        "every step (needs weightsync-core[serve])", formatter_class=_FMT)
+                        "every step", formatter_class=_FMT)
     sp.add_argument("--engine", default="reference", help="the adapter kind of the engines: the "
                     "built-in reference engine, or a plugin's engine that can start locally")
     sp.add_argument("--steps", type=int, default=40, help="GRPO steps, one push each")

@@ -45,6 +45,8 @@ from weightsync.wire.frame import frame
 from weightsync.transports.http.landing import Landing, Spans
 from weightsync.receive.staging import read_exact
 
+__all__ = ["RELAY_HEADER", "Desk", "Expectation", "Feed", "Tampered", "relay"]
+
 RELAY_HEADER = "X-Weightsync-Relay"
 # Relayed buckets are staged on long-lived threads: each relay arrives on a connection (and so a
 # server thread) of its own, and a fresh thread's allocator arena makes a bucket's decode several

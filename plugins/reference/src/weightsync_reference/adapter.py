@@ -220,7 +220,7 @@ class ReferenceAdapter(Adapter):
     @classmethod
     def launch_local(cls, model_dir: Path, workdir: Path, name: str,
                      extra_args: list[str] | None = None) -> LocalEngine:
-        from weightsync.testing.engines import EngineProcess
+        from weightsync_reference.processes import EngineProcess
         e = EngineProcess(model_dir, name=name, log=Path(workdir) / f"{name}.log",
                           extra_args=extra_args or []).start(timeout=120)
         return LocalEngine(e.spec(), e.stop)

@@ -25,11 +25,11 @@ from weightsync.receive import ReceiveSession, check_tensor
 from weightsync.wire.checkpoint import read_checkpoint
 from weightsync.transports.http.member_relay import Desk, relay
 from weightsync.wire.signing import check_checkpoint
-from weightsync.server.generation import Conflict, Generation
-from weightsync.server.model import LoadedModel
-from weightsync.server.sampler import Sampler
+from weightsync_reference.server.generation import Conflict, Generation
+from weightsync_reference.server.model import LoadedModel
+from weightsync_reference.server.sampler import Sampler
 
-log = logging.getLogger("weightsync.server")
+log = logging.getLogger("weightsync_reference.server")
 DEFAULT_LEASE = 10.0
 MAX_LEASE = 3600.0
 

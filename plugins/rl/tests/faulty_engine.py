@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from weightsync.cli import main
-from weightsync.server import engine as engine_module
+from weightsync_reference.server import engine as engine_module
 
 _commit = engine_module.ReferenceEngine.commit
 

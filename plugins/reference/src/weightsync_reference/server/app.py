@@ -67,10 +67,10 @@ from weightsync.net.server import HttpError, Routes, Server, make_server as make
 from weightsync.net.keys import resolve_key, warn_if_open
 from weightsync.net.server import MiB
 from weightsync.wire.frame import read_frame_header
-from weightsync.server.engine import ReferenceEngine
-from weightsync.server.generation import VersionGate
+from weightsync_reference.server.engine import ReferenceEngine
+from weightsync_reference.server.generation import VersionGate
 
-log = logging.getLogger("weightsync.server")
+log = logging.getLogger("weightsync_reference.server")
 ROUND_HEADER = "X-Weightsync-Round"
 SHARE_HEADER = "X-Weightsync-Share"
 routes = Routes()
@@ -326,7 +326,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
           hmac_key_file: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None) -> None:
     from weightsync.plugins import load_components
-    from weightsync.server.model import load_model
+    from weightsync_reference.server.model import load_model
 
     level = {-1: logging.WARNING, 0: logging.INFO}.get(verbosity, logging.DEBUG)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

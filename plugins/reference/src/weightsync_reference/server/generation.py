@@ -10,7 +10,7 @@ from typing import Any, Callable
 from weightsync.errors import PayloadError
 from weightsync.net.server import Conflict409
 from weightsync.interfaces.sampling import SamplingParams
-from weightsync.server.sampler import Aborted, make_rows, score
+from weightsync_reference.server.sampler import Aborted, make_rows, score
 
 
 class Conflict(Conflict409):

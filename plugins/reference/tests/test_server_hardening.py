@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 
 from weightsync.net.keys import resolve_key, warn_if_open
 from weightsync.plugins import load_components
-from weightsync.server.app import make_server
-from weightsync.server.engine import ReferenceEngine
-from weightsync.server.model import load_model
+from weightsync_reference.server.app import make_server
+from weightsync_reference.server.engine import ReferenceEngine
+from weightsync_reference.server.model import load_model
 from weightsync.testing import sample_state_dict, write_weights_only_model
 
 KEY = "engine-key-0123456789"

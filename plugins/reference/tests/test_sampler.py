@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weightsync.interfaces.sampling import SamplingParams
-from weightsync.server.sampler import Aborted, Sampler, make_rows, pick, score
+from weightsync_reference.server.sampler import Aborted, Sampler, make_rows, pick, score
 from weightsync.testing.models import build_tiny_model, greedy
 
 

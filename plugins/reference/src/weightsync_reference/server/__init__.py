@@ -2,7 +2,7 @@
 weightsync's full control protocol. The embedded default engine, and the reference receiver for
 anyone wiring weightsync into their own engine."""
 
-from weightsync.server.engine import ReferenceEngine
-from weightsync.server.app import make_server, serve
+from weightsync_reference.server.engine import ReferenceEngine
+from weightsync_reference.server.app import make_server, serve
 
 __all__ = ["ReferenceEngine", "make_server", "serve"]

@@ -37,7 +37,7 @@ def load_model(path: str | Path, device: str = "cpu") -> LoadedModel:
             from transformers import AutoModelForCausalLM
         except ImportError:
             raise SystemExit("this model directory needs transformers to run; "
-                             "pip install 'weightsync-core[serve]'") from None
+                             "pip install transformers") from None
         model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
         model = model.to(device)  # type: ignore[arg-type]  # transformers types .to as unbound
         model.eval()

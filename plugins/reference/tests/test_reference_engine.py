@@ -8,12 +8,15 @@ import pytest
 import requests
 import torch
 
+from weightsync_reference import plugin as reference_plugin
 from weightsync import SyncError, WeightSync, hookimpl
 from weightsync.encodings.raw import RawEncoding
 from weightsync.plugins import load_components, make_plugin_manager
-from weightsync.testing import EngineProcess, free_port, sample_state_dict, write_weights_only_model
+from weightsync.testing import sample_state_dict, write_weights_only_model
 from weightsync.testing.models import build_tiny_model, greedy
 from weightsync.testing.sample import perturb
+from weightsync.net.server import free_port
+from weightsync_reference.processes import EngineProcess
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +110,7 @@ def test_corrupted_payload_is_detected_and_nothing_applied(engine):
     v0, w0 = engine.health()["version"], engine.weights()
     pm = make_plugin_manager(load_entrypoints=False)
     pm.register(FlipPlugin())
+    pm.register(reference_plugin, name="reference")
     comps = load_components(pm)
     with WeightSync.from_config({**cfg(engine), "encoding": "flipping_raw"}, components=comps) as sync:
         with pytest.raises(SyncError) as e:
