@@ -146,7 +146,8 @@ def test_verify_off_instrument_copies_without_hashing_and_restores() -> None:
 def test_gpu_targets_read_as_verdicts_and_table_lines() -> None:
     """The GPU rows' targets carry a direction and a verdict like every other target (a GPU run
     once crashed in `verdicts` on a target without one)."""
-    from weightsync_bench import Row, verdicts
+    from weightsync_bench import Row
+    from weightsync_bench.verdicts import verdicts
     from weightsync_bench.gpu import gpu_targets
 
     def row(name: str, s: float, peak: int = 0) -> Row:

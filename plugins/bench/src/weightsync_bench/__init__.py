@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from weightsync_bench.harness import Bench, run_bench
     from weightsync_bench.measure import (DELTA_DENSITY, PeakRss, Row, drop_cache, perturbed,
                                           push_detail, timed)
-    from weightsync_bench.verdicts import bar_chart, cpu_targets, table, verdicts
+    from weightsync_bench.verdicts import bar_chart, cpu_targets, table
 
 __version__ = "0.2.0"   # the one source: hatch reads it for the distribution's version
 
@@ -27,8 +27,8 @@ _LAZY = {"Bench": "weightsync_bench.harness",
          "timed": "weightsync_bench.measure",
          "bar_chart": "weightsync_bench.verdicts",
          "cpu_targets": "weightsync_bench.verdicts",
-         "table": "weightsync_bench.verdicts",
-         "verdicts": "weightsync_bench.verdicts"}
+         "table": "weightsync_bench.verdicts"}
+# `verdicts` (the function) is not among them: the package's attribute of that name is its module
 
 
 def __getattr__(name: str) -> Any:
@@ -43,4 +43,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Bench", "DELTA_DENSITY", "PeakRss", "Row", "bar_chart", "cpu_targets", "drop_cache",
-           "perturbed", "push_detail", "run_bench", "table", "timed", "verdicts"]
+           "perturbed", "push_detail", "run_bench", "table", "timed"]
