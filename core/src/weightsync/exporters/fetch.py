@@ -15,7 +15,6 @@ import torch
 import xxhash
 
 from weightsync.exporters.gather import SENDER, Request, Rows, exchange, rows_of
-from weightsync.sync.ranks import rank
 from weightsync.exporters.plan import (Group, Output, Plan, Source, contiguous_strides,
                                        needed_sources)
 
@@ -26,7 +25,10 @@ _FALLBACK = "full"
 
 
 def _rank() -> int:
-    return rank()
+    """This process's rank in the group whose shards it gathers (the exporter's own question: it
+    sits below the push, so it does not ask `sync.ranks`)."""
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Fetcher:

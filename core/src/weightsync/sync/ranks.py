@@ -1,6 +1,6 @@
-"""The one place that knows the trainer's ranks: whether the push runs in a torch.distributed job,
-and which rank this process is. Every part of the push that behaves differently on rank 0 (the
-round, the report, the probe, an exporter gathering shards) asks here."""
+"""The one place of the push that knows the trainer's ranks: whether the push runs in a
+torch.distributed job, and which rank this process is. Every part of the push that behaves
+differently on rank 0 (the pipeline, the round, the probe) asks here."""
 
 from __future__ import annotations
 
