@@ -27,21 +27,17 @@ from weightsync.sync.stream import Stream
 log = logging.getLogger("weightsync.sync.pipeline")
 
 
-def _dist() -> Any:
-    return world()
-
-
 def _is_follower() -> bool:
     """In a multi-rank trainer only rank 0 sends; the others still run the exporter, because
     gathering DTensor shards is a collective every rank must join."""
-    dist = _dist()
+    dist = world()
     return dist is not None and dist.get_rank() != 0
 
 
 def _share_report(report: SyncReport | None) -> SyncReport:
     """Rank 0's report on every rank of the trainer's default group, as JSON bytes in a tensor
     broadcast (no pickle). Every rank calls this once per push, rank 0 with its report."""
-    dist = _dist()
+    dist = world()
     assert dist is not None
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     if report is not None:
@@ -64,7 +60,7 @@ def _share_report(report: SyncReport | None) -> SyncReport:
 
 def _share_int(value: int | None) -> int:
     """Rank 0's `value` on every rank of the trainer's default group."""
-    dist = _dist()
+    dist = world()
     assert dist is not None
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([value if value is not None else 0], dtype=torch.int64, device=device)
@@ -228,7 +224,7 @@ class WeightSync:
                 self._sync(model, version, name_map, report, clock)
         finally:
             report.seconds = {**clock.stages, "total": clock.since()}
-            if _dist() is not None:
+            if world() is not None:
                 self._announce(0)
                 # a failure between the announcement and an exporter pass: the followers are
                 # gathering already, so rank 0 still runs the passes it announced
@@ -240,7 +236,7 @@ class WeightSync:
 
     def _announce(self, passes: int) -> None:
         """Tell follower ranks how many exporter passes this push runs (once per push)."""
-        if _dist() is not None and not self._announced:
+        if world() is not None and not self._announced:
             _share_int(passes)
             self._passes = passes
         self._announced = True
