@@ -21,8 +21,9 @@ import pytest
 import torch
 from weightsync.errors import TransportError
 from weightsync.wire.digests import digest_at
-from weightsync.interfaces import Payload
+from weightsync.interfaces import Message, Payload
 from weightsync.transports.http.fetch import FetchRelays
+from weightsync.transports.http.messages import FetchPayload
 
 HERE = Path(__file__).resolve().parent
 PIECE = 64 << 10
@@ -64,7 +65,9 @@ class Member:
     def group_size(self) -> int:
         return 1
 
-    def take_fetch(self, header: dict[str, Any], fetch: dict[str, Any]) -> None:
+    def deliver(self, message: Message) -> dict[str, Any]:
+        assert isinstance(message, FetchPayload), message
+        fetch = message.body["fetch"]
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"fetch": fetch, "misbehave": self.misbehave}) + "\n")
         self.proc.stdin.flush()
@@ -72,6 +75,7 @@ class Member:
         self.answers.append(out)
         if "error" in out:
             raise TransportError(out["error"])
+        return {}
 
     def stop(self) -> None:
         self.proc.kill()

@@ -190,11 +190,13 @@ def test_relay_routes_refuse_what_the_trainer_did_not_announce(fleet: list[Engin
     hdr = {"X-Weightsync-Round": rid}
     r = requests.post(e.url + "/weightsync/relay", data=b"x" * 64, headers=hdr, timeout=10)
     assert r.status_code == 400 and "relay token" in r.json()["error"], r.text
-    r = requests.post(e.url + "/weightsync/expect", json={"index": 0}, headers=hdr, timeout=10)
+    expect = e.url + "/weightsync/deliver"
+    r = requests.post(expect, json={"kind": "http.expect", "body": {"index": 0}}, headers=hdr,
+                      timeout=10)
     assert r.status_code == 400 and "malformed" in r.json()["error"], r.text
     good = {"index": 0, "header": {"index": 0, "nbytes": 5000}, "pieces": ["a", "b"],
             "piece_bytes": 4096, "name": e.name, "ack_key": "k" * 32, "token": "t" * 32}
-    r = requests.post(e.url + "/weightsync/expect", json=good, headers=hdr, timeout=10)
+    r = requests.post(expect, json={"kind": "http.expect", "body": good}, headers=hdr, timeout=10)
     assert r.status_code == 200, r.text
     r = requests.post(e.url + "/weightsync/relay", data=b"x" * 64,
                       headers={**hdr, "X-Weightsync-Relay": "u" * 32}, timeout=10)

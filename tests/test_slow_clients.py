@@ -50,7 +50,7 @@ class Attack:
             self.drip.append(s)
         for _ in range(announce):          # a key holder announcing bodies it never sends
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
-            s.sendall(f"POST /weightsync/announce HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            s.sendall(f"POST /weightsync/deliver HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                       f"{KEY}\r\nContent-Type: application/json\r\nContent-Length: {16 * MiB}"
                       f"\r\n\r\n".encode())
             self.held.append(s)

@@ -1,4 +1,5 @@
 import json
+from typing import Protocol, runtime_checkable
 
 import pytest
 
@@ -72,9 +73,12 @@ def test_missing_and_unparsable_files(tmp_path):
 
 
 def test_impossible_combination_says_what_works(pm, components):
+    class PigeonLoft(Protocol):
+        def loft(self) -> str: ...
+
     class CarrierPigeon(Transport):
         name = "pigeon"
-        requires = "pigeon-loft"
+        requires = (runtime_checkable(PigeonLoft),)
 
         def send(self, payload, engines):
             return {}
@@ -85,6 +89,35 @@ def test_impossible_combination_says_what_works(pm, components):
                 components)
     msg = str(e.value)
     assert "cannot receive over transport 'pigeon'" in msg and "'http'" in msg
+    assert "it lacks capability PigeonLoft" in msg, msg
+
+
+def test_a_transport_message_the_adapter_cannot_deliver_is_refused(components):
+    """An adapter with its own routes lists the messages it translates; a transport that sends
+    another is refused at config load, naming the message."""
+    from weightsync.interfaces import Announce, Message
+    from weightsync_reference.adapter import ReferenceAdapter
+
+    class Ping(Message):
+        kind = "pigeon.ping"
+
+    class Narrow(ReferenceAdapter):
+        name = "narrow"
+        accepts = (Announce,)
+
+    class Pinger(Transport):
+        name = "pinger"
+        messages = (Announce, Ping)
+
+        def send(self, payload, engines):
+            return {}
+
+    components.adapters.add(Narrow)
+    components.transports.add(Pinger)
+    cfg = {"adapter": "narrow", "transport": "pinger", "engines": [{"url": "http://127.0.0.1:1"}]}
+    with pytest.raises(ConfigError, match=r"it lacks message Ping \('pigeon.ping'\)"):
+        resolve(SyncConfig.load(cfg), components)
+    resolve(SyncConfig.load({**cfg, "adapter": "reference"}), components)   # accepts any
 
 
 def test_unsupported_pause_mode(components):

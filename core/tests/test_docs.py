@@ -178,21 +178,26 @@ def _table(marker: str) -> list[list[str]]:
     return rows[2:]   # header and separator
 
 
-def test_transport_matrix_matches_requires_and_capabilities(everything) -> None:
+def _cells(text: str) -> set[str]:
+    return {c.strip() for c in text.split(",")} - {"", "-"}
+
+
+def test_transport_matrix_matches_requires_and_messages(everything) -> None:
+    from weightsync.sync.assembly import missing as lacks
     rows = _table("transport-matrix")
     shown = {r[0] for r in rows}
     missing = set(everything.transports.names()) - {"echo"} - shown
     assert not missing, f"installed transports missing from the matrix: {missing}"
     adapters = dict(everything.adapters.items())
     checked = 0
-    for name, requires, listed in rows:
+    for name, requires, messages, listed in rows:
         if name not in everything.transports:
             continue   # its plugin is not installed here; the other rows still count
         cls = everything.transports.get(name)
-        assert cls.requires == requires, name
-        documented = {a.strip() for a in listed.split(",")}
-        can = {a for a, acls in adapters.items() if requires in acls.capabilities}
-        assert can == documented & set(adapters), f"{name}: adapters that can use it"
+        assert {c.__name__ for c in cls.requires} == _cells(requires), name
+        assert {m.kind for m in cls.messages} == _cells(messages), name
+        can = {a for a, acls in adapters.items() if not lacks(acls, cls)}
+        assert can == _cells(listed) & set(adapters), f"{name}: adapters that can use it"
         checked += 1
     assert checked >= 3   # http, shm and collective are core
 

@@ -69,6 +69,7 @@ def test_the_registration_and_tool_hooks_exist() -> None:
     assert hook_specs() == {"register_adapters": ["register"], "register_encodings": ["register"],
                             "register_exporters": ["register"], "register_transports": ["register"],
                             "register_fleets": ["register"], "register_peer_sources": ["register"],
+                            "register_launchers": ["register"],
                             "register_commands": ["subparsers"], "add_hookspecs": ["pluginmanager"]}
     assert HOOKS == sorted(h for h in dir(make_plugin_manager(load_entrypoints=False).hook)
                            if not h.startswith("_"))
@@ -178,7 +179,7 @@ def test_hook_register_transports() -> None:
 def test_hook_register_adapters() -> None:
     class Proxied(ReferenceAdapter):
         name = "proxied"
-        capabilities = frozenset({"http"})
+        group_size = None                    # type: ignore[assignment]  # not JoinsGroups
 
     class Plugin:
         @hookimpl
@@ -195,6 +196,26 @@ def test_hook_register_adapters() -> None:
     refused = SyncConfig.load({"adapter": "proxied", "transport": "collective", "engines": engines})
     with pytest.raises(ConfigError, match="'proxied' cannot receive over transport 'collective'"):
         resolve(refused, components)
+
+
+def test_hook_register_launchers(tmp_path: Path) -> None:
+    """The reference engine's launcher, found by its adapter's name, starts a real engine on this
+    machine that the reference adapter then drives."""
+    from weightsync.interfaces import Launcher
+    pm = make_plugin_manager(load_entrypoints=False)
+    pm.register(reference_plugin, name="reference")
+    launcher = load_components(pm).launchers.get("reference")
+    assert issubclass(launcher, Launcher)
+    env: dict[str, str] = {}
+    argv = launcher.start_command("m", "127.0.0.1", 9, "e", {}, env, api_key="k" * 24)
+    assert argv[:4] == ["{python}", "-m", "weightsync", "serve"] and env["WEIGHTSYNC_API_KEY"] == "k" * 24
+    model = write_weights_only_model(tmp_path / "model", sample_state_dict())
+    started = launcher.launch_local(model, tmp_path, "launched")
+    try:
+        spec = started.spec
+        assert ReferenceAdapter(engine=__import__("weightsync").EngineSpec(**spec)).health().version == 0
+    finally:
+        started.stop()
 
 
 def test_hook_register_fleets() -> None:

@@ -178,8 +178,8 @@ _SILENT = textwrap.dedent("""
         def do_GET(self):
             self._ok({"status": "ok", "version": 0, "paused": None})
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if self.path == "/weightsync/join":
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/weightsync/deliver" and b'"collective.join"' in body:
                 time.sleep(3600)
             self._ok({"ok": True})
         def _ok(self, body):

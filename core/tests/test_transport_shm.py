@@ -20,6 +20,7 @@ import torch
 from weightsync_reference.adapter import ReferenceAdapter
 from weightsync.wire.bucket import Bucket
 from weightsync.encodings.raw import RawEncoding
+from weightsync.interfaces import Announce, Message
 from weightsync.errors import PayloadError, TransportError
 from weightsync.sync.pipeline import WeightSync
 from weightsync_reference.contracts import TransportContract
@@ -42,18 +43,20 @@ class TestShmContract(TransportContract):
 
 
 class _Reader(ReferenceAdapter):
-    """An in-process engine half: its announce runs the real ShmReceiver on the real segment and
-    holds the buffer until the test lets it go (that is what a slow engine does)."""
+    """An in-process engine half: each `Announce` it is delivered runs the real ShmReceiver on the
+    real segment and holds the buffer until the test lets it go (that is what a slow engine does)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
         self.seen: list[bytes] = []
 
-    def announce(self, header: Mapping[str, Any]) -> None:
-        buf = ShmReceiver(ShmTransport.Options()).receive(header, None)
+    def deliver(self, message: Message) -> Mapping[str, Any]:
+        assert isinstance(message, Announce), message
+        buf = ShmReceiver(ShmTransport.Options()).receive(message.body, None)
         self.seen.append(bytes(buf.numpy()))
         assert self.gate.wait(30)
+        return {}
 
 
 def _payload(i: int, fill: int, alloc) -> Any:

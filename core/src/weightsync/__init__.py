@@ -37,7 +37,7 @@ _LAZY = {
     "Bucket": "wire.bucket", "TensorSpec": "wire.bucket", "EngineSpec": "config", "SyncConfig": "config",
     "Adapter": "interfaces", "Encoding": "interfaces", "Endpoint": "interfaces",
     "EngineStatus": "interfaces", "Exporter": "interfaces", "Fleet": "interfaces",
-    "Member": "interfaces", "Payload": "interfaces", "PeerSource": "interfaces",
+    "Member": "interfaces", "Message": "interfaces", "Announce": "interfaces", "Payload": "interfaces", "PeerSource": "interfaces",
     "Transport": "interfaces", "TransportReceiver": "interfaces", "WeightSync": "sync.pipeline",
     "load_components": "plugins", "make_plugin_manager": "plugins", "EngineOutcome": "sync.report",
     "SyncReport": "sync.report",
@@ -46,8 +46,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from weightsync.wire.bucket import Bucket, TensorSpec
     from weightsync.config import EngineSpec, SyncConfig
-    from weightsync.interfaces import (Adapter, Encoding, Endpoint, EngineStatus, Exporter, Fleet,
-                                       Member, Payload, PeerSource, Transport, TransportReceiver)
+    from weightsync.interfaces import (Adapter, Announce, Encoding, Endpoint, EngineStatus,
+                                       Exporter, Fleet, Member, Message, Payload, PeerSource,
+                                       Transport, TransportReceiver)
     from weightsync.sync.pipeline import WeightSync
     from weightsync.plugins import load_components, make_plugin_manager
     from weightsync.sync.report import EngineOutcome, SyncReport
@@ -67,9 +68,10 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Adapter", "Bucket", "ConfigError", "Encoding", "Endpoint", "EngineError", "EngineOutcome",
+    "Adapter", "Announce", "Bucket", "ConfigError", "Encoding", "Endpoint", "EngineError",
+    "EngineOutcome",
     "EngineSpec", "EngineStatus", "EngineUnavailable", "EngineUnreachable", "Exporter", "Fleet",
-    "Member", "Payload", "PayloadError", "PeerSource", "PluginError", "SyncConfig", "SyncError",
+    "Member", "Message", "Payload", "PayloadError", "PeerSource", "PluginError", "SyncConfig", "SyncError",
     "SyncReport", "TensorSpec", "Transport", "TransportError", "TransportReceiver", "WeightSync",
     "WeightSyncError", "hookimpl", "load_components", "make_plugin_manager",
 ]

@@ -1,4 +1,4 @@
-"""The hooks: six that register components (assembly only; nothing here runs per bucket), one
+"""The hooks: seven that register components (assembly only; nothing here runs per bucket), one
 for subcommands of the `weightsync` command, and one through which an application adds hooks of
 its own (the bench's rows, for example)."""
 
@@ -11,14 +11,15 @@ import pluggy
 
 __all__ = ["PROJECT", "add_hookspecs", "hookimpl", "hookspec", "register_adapters",
            "register_commands", "register_encodings", "register_exporters", "register_fleets",
-           "register_peer_sources", "register_transports"]
+           "register_launchers", "register_peer_sources", "register_transports"]
 
 PROJECT = "weightsync"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 if TYPE_CHECKING:
-    from weightsync.interfaces import Adapter, Encoding, Exporter, Fleet, PeerSource, Transport
+    from weightsync.interfaces import (Adapter, Encoding, Exporter, Fleet, Launcher, PeerSource,
+                                       Transport)
 
 
 @hookspec
@@ -49,6 +50,12 @@ def register_fleets(register: Callable[[type[Fleet]], None]) -> None:
 @hookspec
 def register_peer_sources(register: Callable[[type[PeerSource]], None]) -> None:
     """Register peer sources: how a joining member fetches a current member's bytes (HTTP, RDMA)."""
+
+
+@hookspec
+def register_launchers(register: Callable[[type[Launcher]], None]) -> None:
+    """Register launchers that start an engine kind (named after its adapter): Ray's engine
+    actors and the RL demo start engines through them."""
 
 
 @hookspec

@@ -21,7 +21,8 @@ from weightsync.errors import PluginError
 from weightsync.hookspecs import PROJECT
 
 if TYPE_CHECKING:
-    from weightsync.interfaces import Adapter, Encoding, Exporter, Fleet, PeerSource, Transport
+    from weightsync.interfaces import (Adapter, Encoding, Exporter, Fleet, Launcher, PeerSource,
+                                       Transport)
 
 __all__ = ["DEFAULT_PLUGINS", "Components", "Registry", "describe_plugins", "load_components",
            "make_plugin_manager"]
@@ -55,14 +56,30 @@ def _load_entrypoints(pm: pluggy.PluginManager, failed: dict[str, str], only: se
             pm._plugin_distinfo.append((plugin, ep.dist))  # what pluggy's own loader records
 
 
+def _load_modules(pm: pluggy.PluginManager, failed: dict[str, str], names: set[str]) -> None:
+    """Plugins named by module, not installed (pytest's PYTEST_PLUGINS): a plugin under test,
+    loaded into an engine's process through its environment."""
+    for modname in sorted(names):
+        if pm.get_plugin(modname) is not None:
+            continue
+        try:
+            pm.register(importlib.import_module(modname), name=modname)
+        except Exception as err:  # a broken plugin must not take the whole sync down
+            log.warning("weightsync plugin module %r failed to import: %r", modname, err)
+            failed[modname] = repr(err)
+
+
 def make_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManager:
     """A fresh manager. `WEIGHTSYNC_PLUGINS=a,b` loads only those entry points ("" loads none);
-    `WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD` loads none; `WEIGHTSYNC_TRACE_PLUGINS` prints hook calls."""
+    `WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD` loads none; `WEIGHTSYNC_PLUGIN_MODULES=pkg.plugin,...`
+    also registers those modules (importable, not installed); `WEIGHTSYNC_TRACE_PLUGINS` prints
+    hook calls."""
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
     pm.failed_plugins = {}  # type: ignore[attr-defined]
     if load_entrypoints and os.environ.get("WEIGHTSYNC_DISABLE_PLUGIN_AUTOLOAD") is None:
         _load_entrypoints(pm, pm.failed_plugins, _env_list("WEIGHTSYNC_PLUGINS"))  # type: ignore[attr-defined]
+    _load_modules(pm, pm.failed_plugins, _env_list("WEIGHTSYNC_PLUGIN_MODULES") or set())  # type: ignore[attr-defined]
     for modname in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(modname), name=modname)
     for impl in pm.hook.add_hookspecs.get_hookimpls():  # applications' own hooks, before the check
@@ -140,22 +157,25 @@ class Components:
     adapters: Registry[Adapter] = field(init=False)
     fleets: Registry[Fleet] = field(init=False)
     peer_sources: Registry[PeerSource] = field(init=False)
+    launchers: Registry[Launcher] = field(init=False)
 
     def __post_init__(self) -> None:
-        from weightsync.interfaces import (Adapter, Encoding, Exporter, Fleet, PeerSource,
-                                           Transport)
+        from weightsync.interfaces import (Adapter, Encoding, Exporter, Fleet, Launcher,
+                                           PeerSource, Transport)
         self.exporters = Registry("exporter", Exporter, self.failed)
         self.encodings = Registry("encoding", Encoding, self.failed)
         self.transports = Registry("transport", Transport, self.failed)
         self.adapters = Registry("adapter", Adapter, self.failed)
         self.fleets = Registry("fleet", Fleet, self.failed)
         self.peer_sources = Registry("peer source", PeerSource, self.failed)
+        self.launchers = Registry("launcher", Launcher, self.failed)
         for hook, registry in (("register_exporters", self.exporters),
                                ("register_encodings", self.encodings),
                                ("register_transports", self.transports),
                                ("register_adapters", self.adapters),
                                ("register_fleets", self.fleets),
-                               ("register_peer_sources", self.peer_sources)):
+                               ("register_peer_sources", self.peer_sources),
+                               ("register_launchers", self.launchers)):
             self._call(hook, registry)
 
     def _call(self, hook: str, registry: Registry[Any]) -> None:
@@ -178,7 +198,7 @@ class Components:
         by_kind: dict[str, Registry[Any]] = {
             "exporter": self.exporters, "encoding": self.encodings,
             "transport": self.transports, "adapter": self.adapters, "fleet": self.fleets,
-            "peer_source": self.peer_sources}
+            "peer_source": self.peer_sources, "launcher": self.launchers}
         return by_kind[kind]
 
 
@@ -191,7 +211,8 @@ def describe_plugins(components: Components) -> list[dict[str, Any]]:
     """What `weightsync plugins` prints: each plugin, its distribution, hooks and components."""
     dists = {id(p): d for p, d in components.pm.list_plugin_distributions()}
     by_module: dict[str, list[str]] = {}
-    for kind in ("exporter", "encoding", "transport", "adapter", "fleet", "peer_source"):
+    for kind in ("exporter", "encoding", "transport", "adapter", "fleet", "peer_source",
+                 "launcher"):
         for name, cls in components.registry(kind).items():
             by_module.setdefault(cls.__module__.split(".")[0], []).append(f"{kind}:{name}")
     out = []

@@ -12,7 +12,9 @@ import torch
 
 from weightsync import WeightSync
 from weightsync.config import EngineSpec
-from weightsync.errors import ConfigError, EngineError, SyncError
+from weightsync.errors import ConfigError, EngineError, SyncError, WeightSyncError
+from weightsync.interfaces import Message
+from weightsync.transports.collective import Broadcast, JoinGroup, LeaveGroup
 from weightsync_lmdeploy.adapter import LmdeployAdapter, LmdeployOptions
 
 LOCAL = "http://127.0.0.1:9"
@@ -30,6 +32,7 @@ def cfg(transport: Any = "lmdeploy_ipc", adapter: Any = "lmdeploy", **options: A
          flattened=False), "TurboMind backend has no collective weight routes"),
     (cfg(transport="collective", flattened=False), "reads only with load_format flattened_bucket"),
     (cfg(adapter="reference"), "adapter 'reference' cannot receive over transport 'lmdeploy_ipc'"),
+    (cfg(transport="shm"), "adapter 'lmdeploy' cannot receive over transport 'shm'"),
     (cfg(tp_size=0), "tp_size"),
     (cfg(sleep_level=3), "sleep_level"),
     ({**cfg(), "encoding": {"kind": "cast", "options": {"dtype": "bfloat16"}},
@@ -63,7 +66,7 @@ def test_error_reply_is_raised_with_lmdeploys_message(standin: Any, model_factor
                                                                     "dtype": "float32", "shape": [16]}]}}
     with pytest.raises(EngineError, match=r"group 'never_joined' not initialized\. "
                                           r"Call init_weights_update_group first\."):
-        a.announce(header)
+        a.deliver(Broadcast(header))
     with pytest.raises(EngineError, match="group_name: String should have at least|group_name cannot be empty"):
         a._checked("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                   "rank_offset": 1, "world_size": 2, "group_name": "",
@@ -75,8 +78,18 @@ def test_turbomind_engine_answers_501_to_group_routes(standin: Any, model_factor
     a = LmdeployAdapter(LmdeployOptions(backend="turbomind", flattened=False), EngineSpec(url=eng.url))
     with pytest.raises(EngineError, match='HTTP 501: Disaggregated weight-update endpoints require '
                                           'backend="pytorch"'):
-        a.join_group({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                      "world_size": 2, "group_name": "g", "backend": "gloo"})
+        a.deliver(JoinGroup({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                             "world_size": 2, "group_name": "g", "backend": "gloo"}))
+
+
+def test_messages_it_does_not_translate_are_refused() -> None:
+    class Other(Message):
+        kind = "other.verb"
+    a = LmdeployAdapter(LmdeployOptions(), EngineSpec(url=LOCAL))
+    with pytest.raises(WeightSyncError, match="adapter 'lmdeploy' takes no transport messages "
+                                              "\\('other.verb' refused\\)"):
+        a.deliver(Other({}))
+    assert a.deliver(LeaveGroup({})) == {}            # no group named: nothing to destroy
 
 
 def bad_last_tensor(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
-"""Rollouts through the lmdeploy adapter's `generate`, against the stand-in's /generate (made-up
-tokens and logprobs: these tests check what the adapter sends, reads and refuses, and the
-versions it reports), with request bodies validated by LMDeploy 0.18's own GenerateReqInput."""
+"""Rollouts through `LmdeploySampler` (the lmdeploy adapter's sampler), against the stand-in's
+/generate (made-up tokens and logprobs: these tests check what the sampler sends, reads and
+refuses, and the versions it reports), with request bodies validated by LMDeploy 0.18's own GenerateReqInput."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from weightsync.errors import EngineError
 from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams, Unsupported
 from weightsync_lmdeploy import adapter as adapter_mod
 from weightsync_lmdeploy.adapter import LmdeployAdapter, LmdeployOptions
-from weightsync_lmdeploy.generation import SAMPLING, generate_body
+from weightsync_lmdeploy.generation import SAMPLING, LmdeploySampler, generate_body
 
 proto, PROTO_WHY = lmd_real.load("lmdeploy.serve.openai.protocol")
 needs_proto = pytest.mark.skipif(proto is None, reason=f"cannot check against LMDeploy: {PROTO_WHY}")
@@ -56,38 +56,40 @@ def test_version_is_unknown_until_this_process_commits_one(standin: Any, model_f
     sd = model_factory()
     eng = standin(sd)
     a = _adapter(eng)
+    r = LmdeploySampler(a)
     adapter_mod.versions.pop(a.base, None)
-    assert a.weight_version() is None and a.health().version == 0    # the push path starts at 0
+    assert r.weight_version() is None and a.health().version == 0    # the push path starts at 0
     with pytest.raises(NotFitting, match="LMDeploy has no weight version, and this process has "
                                          "committed none") as e:
-        a.generate(PROMPT, SamplingParams(), Gate())
+        r.generate(PROMPT, SamplingParams(), Gate())
     assert e.value.held is None and eng.stats().get("generate", 0) == 0
     _push(eng, version_factory(sd, 1), 4)
-    assert a.weight_version() == 4
-    samples = a.generate(PROMPT, SamplingParams(n=3, max_new_tokens=6), Gate(exact_version=4))
+    assert r.weight_version() == 4
+    samples = r.generate(PROMPT, SamplingParams(n=3, max_new_tokens=6), Gate(exact_version=4))
     assert len(samples) == 3 and eng.stats()["generate"] == 3       # n requests: no n in LMDeploy
     for s in samples:
         assert (s.version, s.version_end, s.engine, s.prompt_ids) == (4, 4, a.engine_name, PROMPT)
         assert len(s.token_ids) == 6 and s.finish_reason == "length"
         assert s.logprobs == [standin_logprob(t) for t in s.token_ids]
     with pytest.raises(NotFitting, match="it holds version 4; the request wants version >= 5"):
-        a.generate(PROMPT, SamplingParams(), Gate(min_version=5))
+        r.generate(PROMPT, SamplingParams(), Gate(min_version=5))
 
 
 def test_greedy_stop_tokens_and_what_lmdeploy_cannot_honour(standin: Any, model_factory: Any) -> None:
     eng = standin(model_factory())
     a = _adapter(eng)
+    r = LmdeploySampler(a)
     adapter_mod.versions[a.base] = 0
     try:
-        (g,) = a.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=5), Gate())
-        (g2,) = a.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=5), Gate())
+        (g,) = r.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=5), Gate())
+        (g2,) = r.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=5), Gate())
         assert g.token_ids == g2.token_ids
-        (s,) = a.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=5,
+        (s,) = r.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=5,
                                                  stop_token_ids=[g.token_ids[2]]), Gate())
         assert s.finish_reason == "stop" and s.token_ids == g.token_ids[:2]   # LMDeploy drops it
         with pytest.raises(Unsupported, match="at temperature 0.7; use temperature 1 or 0"):
-            a.generate(PROMPT, SamplingParams(temperature=0.7), Gate())
-        (empty,) = a.generate(PROMPT, SamplingParams(max_new_tokens=0), Gate())
+            r.generate(PROMPT, SamplingParams(temperature=0.7), Gate())
+        (empty,) = r.generate(PROMPT, SamplingParams(max_new_tokens=0), Gate())
         assert empty.token_ids == [] and empty.logprobs == []
     finally:
         adapter_mod.versions.pop(a.base, None)
@@ -96,23 +98,25 @@ def test_greedy_stop_tokens_and_what_lmdeploy_cannot_honour(standin: Any, model_
 def test_asleep_is_not_fitting_and_missing_logprobs_mode_is_named(standin: Any, model_factory: Any) -> None:
     eng = standin(model_factory())
     a = _adapter(eng)
+    r = LmdeploySampler(a)
     adapter_mod.versions[a.base] = 2
     try:
         a.pause("abort")
         with pytest.raises(NotFitting, match="is asleep .*Engine is sleeping") as e:
-            a.generate(PROMPT, SamplingParams(), Gate())
+            r.generate(PROMPT, SamplingParams(), Gate())
         assert e.value.held == 2
         a.resume()
-        assert len(a.generate(PROMPT, SamplingParams(max_new_tokens=2), Gate())[0].token_ids) == 2
+        assert len(r.generate(PROMPT, SamplingParams(max_new_tokens=2), Gate())[0].token_ids) == 2
     finally:
         adapter_mod.versions.pop(a.base, None)
     plain = standin(model_factory(), logprobs_mode=None)
     b = _adapter(plain)
+    rb = LmdeploySampler(b)
     adapter_mod.versions[b.base] = 0
     try:
         with pytest.raises(EngineError, match=r"return_logprob\(True\) requested but not enabled "
                                               r"logprobs_mode .* -> start the api_server with "
                                               r"--logprobs-mode raw_logprobs"):
-            b.generate(PROMPT, SamplingParams(), Gate())
+            rb.generate(PROMPT, SamplingParams(), Gate())
     finally:
         adapter_mod.versions.pop(b.base, None)

@@ -20,6 +20,7 @@ import torch
 import lmd_real
 from weightsync.config import EngineSpec
 from weightsync.encodings.raw import RawEncoding
+from weightsync.transports.collective import Broadcast, JoinGroup, LeaveGroup
 from weightsync.wire.bucket import Bucket
 from weightsync_lmdeploy import serialize as S
 from weightsync_lmdeploy.adapter import LmdeployAdapter, LmdeployOptions
@@ -164,16 +165,16 @@ def drive(url: str, **options: Any) -> LmdeployAdapter:
         a.load_payload(RawEncoding().encode(Bucket(i, part, last=i == 1)))
     info = {"master_address": "127.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 3,
             "group_name": "ws_1", "backend": "nccl"}
-    a.join_group(info)
+    a.deliver(JoinGroup(info))
     payload = RawEncoding().encode(Bucket(0, named, last=True))
     from weightsync.transports.collective import split_payload
     for tensor, dtype, specs in split_payload(payload.body, "flat_per_dtype"):
-        a.announce(payload.header(group_name="ws_1", layout="flat_per_dtype", dtype=dtype,
-                                  nbytes=tensor.numel() * tensor.element_size(), numel=tensor.numel(),
-                                  tensors=specs))
+        a.deliver(Broadcast(payload.header(group_name="ws_1", layout="flat_per_dtype", dtype=dtype,
+                                          nbytes=tensor.numel() * tensor.element_size(),
+                                          numel=tensor.numel(), tensors=specs)))
     a.commit(1)
     a.resume()
-    a.leave_group(info)
+    a.deliver(LeaveGroup(info))
     return a
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weightsync.interfaces.sampling import SamplingParams
-from weightsync_reference.server.sampler import Aborted, Sampler, make_rows, pick, score
+from weightsync_reference.server.sampler import Aborted, BatchingSampler, make_rows, pick, score
 from weightsync.testing.models import build_tiny_model, greedy
 
 
@@ -20,13 +20,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     return build_tiny_model(Path(tmp_path_factory.mktemp("m")), "llama", vocab=64).eval()
 
 
-def _sampler(model: torch.nn.Module, gate=lambda k: None) -> Sampler:  # noqa: ANN001
+def _sampler(model: torch.nn.Module, gate=lambda k: None) -> BatchingSampler:  # noqa: ANN001
     def forward(**kw):  # noqa: ANN003, ANN202
         return model(**kw), 7
-    return Sampler(model, gate, forward)
+    return BatchingSampler(model, gate, forward)
 
 
-def _run(s: Sampler, prompt: list[int], **p: object) -> list:
+def _run(s: BatchingSampler, prompt: list[int], **p: object) -> list:
     return s.run(make_rows(prompt, SamplingParams(**p)), lambda v: None, 60)
 
 

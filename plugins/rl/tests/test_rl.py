@@ -95,15 +95,27 @@ def test_samples_carry_logprobs_versions_and_spread_over_the_fleet(model_dir: Pa
 
 
 def test_a_parameter_an_engine_cannot_honour_is_refused(pair: list[EngineProcess]) -> None:
-    from weightsync_reference.adapter import ReferenceAdapter
+    """A sampler says which parameters its engine honours; the client refuses the others before
+    anything is sent (the sampler registered through RL's hook, as an engine plugin does)."""
+    from weightsync import hookimpl
     from weightsync.plugins import load_components
+    from weightsync_reference.adapter import ReferenceAdapter
+    from weightsync_reference.sampler import ReferenceSampler
 
     class GreedyOnly(ReferenceAdapter):
         name = "greedy-only"
+
+    class GreedySampler(ReferenceSampler):
         sampling = frozenset({"max_new_tokens", "temperature"})
+
+    class Plugin:
+        @hookimpl
+        def register_samplers(self, register):  # noqa: ANN001, ANN202
+            register("greedy-only", GreedySampler)
 
     components = load_components()
     components.adapters.add(GreedyOnly)
+    components.pm.register(Plugin(), name="greedy-only-sampler")
     with RolloutClient([{**pair[0].spec(), "adapter": "greedy-only"}], components=components) as c:
         assert c.sample([[1, 2]], {"temperature": 0.0, "max_new_tokens": 2})[0].token_ids
         with pytest.raises(Unsupported, match=r"cannot honour \['seed', 'top_p'\]"):

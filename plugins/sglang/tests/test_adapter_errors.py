@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import requests
 from weightsync.config import EngineSpec
-from weightsync.errors import ConfigError, EngineError
+from weightsync.errors import ConfigError, EngineError, WeightSyncError
+from weightsync.interfaces import Message
 from weightsync.sync.pipeline import WeightSync
 from weightsync.net.server import free_port
+from weightsync.transports.collective import Broadcast, JoinGroup, LeaveGroup
 from weightsync_sglang.adapter import SGLangAdapter
 from weightsync_sglang.versions import from_sglang, to_sglang
 
@@ -24,7 +26,7 @@ def test_distributed_update_without_group_raises_sglangs_message(start_standin) 
     a = SGLangAdapter(engine=EngineSpec(**engine.spec()))
     a.begin(1, {})
     with pytest.raises(EngineError) as e:
-        a.announce(_header("never_joined"))
+        a.deliver(Broadcast(_header("never_joined")))
     msg = str(e.value)
     assert msg.startswith(f"engine {engine.name}: SGLang refused POST /update_weights_from_distributed")
     assert "Group never_joined not in []" in msg and "partially updated" in msg
@@ -38,11 +40,11 @@ def test_join_that_cannot_reach_the_store_raises_sglangs_message(start_standin) 
             "world_size": 2, "group_name": "g", "backend": "gloo"}
     with pytest.raises(EngineError, match="SGLang refused POST /init_weights_update_group: Failed "
                                           "to initialize custom process group"):
-        a.join_group(info)
+        a.deliver(JoinGroup(info))
     assert engine.state()["rank_groups"] == [[]]
     # leaving a group the engine does not have is SGLang's refusal too (the transport ignores it)
     with pytest.raises(EngineError, match="The group to be destroyed does not exist"):
-        a.leave_group(info)
+        a.deliver(LeaveGroup(info))
 
 
 def test_malformed_body_is_reported_with_fastapis_detail(start_standin) -> None:
@@ -93,4 +95,20 @@ def test_unknown_pause_mode_and_option_are_refused() -> None:
     cfg = {"adapter": {"kind": "sglang", "options": {"tp": 2}}, "transport": "collective",
            "engines": [{"url": "http://127.0.0.1:30000"}]}
     with pytest.raises(ConfigError, match="tp_size"):
+        WeightSync.from_config(cfg)
+
+
+def test_messages_it_does_not_translate_are_refused_and_shm_is_refused() -> None:
+    """The adapter translates the collective transport's messages only; a bare Announce (a body in
+    shared memory, which SGLang cannot read) is not a Broadcast, so `shm` is refused at config load."""
+    class Other(Message):
+        kind = "other.verb"
+    a = SGLangAdapter()
+    with pytest.raises(WeightSyncError, match="adapter 'sglang' takes no transport messages "
+                                              "\\('other.verb' refused\\)"):
+        a.deliver(Other({}))
+    assert a.deliver(LeaveGroup({})) == {}            # no group named: nothing to destroy
+    cfg = {"adapter": "sglang", "transport": "shm", "engines": [{"url": "http://127.0.0.1:30000"}]}
+    with pytest.raises(ConfigError, match="adapter 'sglang' cannot receive over transport 'shm' \\(it "
+                                         "lacks message Announce"):
         WeightSync.from_config(cfg)

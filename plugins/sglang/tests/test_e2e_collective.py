@@ -21,7 +21,7 @@ from weightsync.exporters.torch import TorchExporter
 from weightsync.sync.pipeline import WeightSync
 from weightsync.net.server import free_port
 from weightsync.testing.sample import perturb
-from weightsync.transports.collective import split_payload
+from weightsync.transports.collective import Broadcast, JoinGroup, LeaveGroup, split_payload
 from weightsync_sglang.adapter import SGLangAdapter
 
 
@@ -131,7 +131,7 @@ def test_distributed_route_with_sglang_recipe_trainer_three_versions(start_stand
         infos.append({"master_address": "127.0.0.1", "master_port": port, "rank_offset": offset,
                       "world_size": world, "group_name": name, "backend": "gloo"})
         offset += a.group_size()
-    threads, errors = _in_threads([lambda a=a, i=i: a.join_group(i) for a, i in zip(adapters, infos)])
+    threads, errors = _in_threads([lambda a=a, i=i: a.deliver(JoinGroup(i)) for a, i in zip(adapters, infos)])
     pg, store = _sglang_style_group(port, world, name)
     for t in threads:
         t.join(60)
@@ -149,7 +149,8 @@ def test_distributed_route_with_sglang_recipe_trainer_three_versions(start_stand
             data, dtype, specs = split_payload(payload.body, "flat")[0]
             header = payload.header(group_name=name, layout="flat", nbytes=data.numel(), dtype=dtype,
                                     numel=data.numel(), tensors=specs)
-            threads, errors = _in_threads([lambda a=a, h=header: a.announce(h) for a in adapters])
+            threads, errors = _in_threads([lambda a=a, h=header: a.deliver(Broadcast(h))
+                                           for a in adapters])
             dist.broadcast(data, src=0, group=pg)
             for t in threads:
                 t.join(60)
@@ -162,7 +163,7 @@ def test_distributed_route_with_sglang_recipe_trainer_three_versions(start_stand
             assert e.weight_version() == str(v)
             _assert_holds(e, sd)
     for a, i in zip(adapters, infos):
-        a.leave_group(i)
+        a.deliver(LeaveGroup(i))
     assert [e.state()["rank_groups"] for e in engines] == [[[]], [[], []]]
     dist.destroy_process_group(pg)
     del store

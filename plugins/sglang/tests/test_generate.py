@@ -1,6 +1,6 @@
-"""Rollouts through the sglang adapter's `generate`, against the SGLang stand-in's /generate (the
-stand-in's tokens and logprobs are made-up functions of its weights: these tests check what the
-adapter sends, reads and refuses, and the versions it reports, not a model)."""
+"""Rollouts through `SGLangSampler` (the sglang adapter's sampler), against the SGLang stand-in's
+/generate (the stand-in's tokens and logprobs are made-up functions of its weights: these tests
+check what the sampler sends, reads and refuses, and the versions it reports, not a model)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams, Uns
 from weightsync.testing.sample import perturb
 from weightsync_sglang import generation
 from weightsync_sglang.adapter import SGLangAdapter
+from weightsync_sglang.generation import SGLangSampler
 
 PROMPT = [1, 17, 42, 99]
 HERE = Path(__file__).parent
@@ -40,9 +41,13 @@ def _adapter(engine) -> SGLangAdapter:
     return SGLangAdapter(engine=EngineSpec(**engine.spec()))
 
 
+def _sampler(engine) -> SGLangSampler:
+    return SGLangSampler(_adapter(engine))
+
+
 def test_fresh_engine_is_version_0_and_greedy_samples_carry_logprobs(start_standin) -> None:
     engine = start_standin()
-    a = _adapter(engine)
+    a = _sampler(engine)
     assert engine.state()["weight_version"] == "default" and a.weight_version() == 0
     samples = a.generate(PROMPT, SamplingParams(n=3, temperature=0, max_new_tokens=6), Gate(min_version=0))
     assert len(samples) == 3
@@ -56,7 +61,7 @@ def test_fresh_engine_is_version_0_and_greedy_samples_carry_logprobs(start_stand
 
 def test_stop_tokens_and_temperature_reach_sglang(start_standin) -> None:
     engine = start_standin()
-    a = _adapter(engine)
+    a = _sampler(engine)
     (greedy,) = a.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=6), Gate())
     stop = greedy.token_ids[2]
     (s,) = a.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[stop]), Gate())
@@ -66,13 +71,13 @@ def test_stop_tokens_and_temperature_reach_sglang(start_standin) -> None:
 
 
 def test_seed_needs_deterministic_inference(start_standin) -> None:
-    a = _adapter(start_standin())
+    a = _sampler(start_standin())
     with pytest.raises(Unsupported, match="only when started with --enable-deterministic-inference"):
         a.generate(PROMPT, SamplingParams(seed=1), Gate())
 
 
 def test_sample_i_uses_seed_plus_i(start_standin) -> None:
-    a = _adapter(start_standin(deterministic=True))
+    a = _sampler(start_standin(deterministic=True))
     params = SamplingParams(n=3, seed=10, max_new_tokens=8)
     samples = a.generate(PROMPT, params, Gate())
     assert len({tuple(s.token_ids) for s in samples}) == 3
@@ -93,13 +98,13 @@ def test_body_is_sglangs_and_a_refusal_carries_sglangs_message(start_standin, mo
     monkeypatch.setattr(generation, "generate_body", lambda p, s: bad)
     with pytest.raises(EngineError, match=r"SGLang refused POST /generate: top_k must be -1 "
                                           r"\(disable\) or at least 1, got 0\."):
-        _adapter(engine).generate(PROMPT, SamplingParams(n=2), Gate())
+        _sampler(engine).generate(PROMPT, SamplingParams(n=2), Gate())
 
 
 def test_version_gate_and_tags_after_a_reload(start_standin, model_dir) -> None:
     engine = start_standin()
-    a = _adapter(engine)
-    a.load_from_disk(str(model_dir), 3)
+    a = _sampler(engine)
+    a.adapter.load_from_disk(str(model_dir), 3)
     assert a.weight_version() == 3
     (s,) = a.generate(PROMPT, SamplingParams(max_new_tokens=3), Gate(exact_version=3))
     assert (s.version, s.version_end) == (3, 3) and not s.mixed
@@ -113,7 +118,7 @@ def test_a_swap_during_the_request_is_never_one_version(start_standin, model_sd,
     """in_place: the request goes on with the new weights and comes back mixed (0 -> 1); abort:
     SGLang ends it, and the adapter refuses the partial samples (NotFitting)."""
     engine = start_standin(step_seconds=0.05)
-    a = _adapter(engine)
+    a = _sampler(engine)
     out: dict = {}
 
     def run() -> None:

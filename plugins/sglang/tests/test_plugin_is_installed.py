@@ -8,3 +8,17 @@ def test_entry_point_is_discovered():
     assert eps["sglang"].value == "weightsync_sglang.plugin"
     pm = make_plugin_manager()
     assert pm.get_plugin("sglang") is not None
+
+
+def test_sampler_is_registered_through_rls_hook():
+    import pytest
+    rl = pytest.importorskip("weightsync_rl.rollout.sampler",
+                             reason="weightsync-rl is not installed; the sampler hook is RL's")
+    from weightsync import load_components
+    from weightsync_sglang.adapter import SGLangAdapter
+    from weightsync_sglang.generation import SGLangSampler
+    components = load_components()
+    assert rl.samplers(components)["sglang"] is SGLangSampler
+    sampler = rl.sampler_for(SGLangAdapter(), components)
+    assert isinstance(sampler, rl.Sampler) and isinstance(sampler, SGLangSampler)
+    assert sampler.gates is False and sampler.busy_seconds() is None

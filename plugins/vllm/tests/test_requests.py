@@ -16,6 +16,8 @@ from weightsync.errors import PayloadError
 from weightsync.transports.http.sending import HttpReceiver, HttpTransport
 from weightsync_vllm import native
 from weightsync_vllm.adapter import VllmAdapter, _parse_version, render_update_weights
+from weightsync_vllm.generation import VllmSampler
+from weightsync_vllm.launch import VllmLauncher
 from weightsync_vllm.staging import CheckpointIndex, StagedRound
 from weightsync_vllm.testing import vllm_available
 
@@ -143,7 +145,19 @@ def test_general_plugin_registers_once() -> None:
 
 
 def test_adapter_capabilities_and_version_parsing() -> None:
-    assert {"http", "announce", "group", "disk"} <= VllmAdapter.capabilities
+    """The capabilities are the methods it implements; it delivers any message (the backend
+    runs weightsync's receiver), so every built-in transport assembles with it."""
+    from weightsync.interfaces import (JoinsGroups, RelaysFetches, RelaysPayloads,
+                                       ReloadsFromDisk, Scores, ServesPayloads)
+    from weightsync.plugins import load_components
+    from weightsync.sync.assembly import missing
+    for cap in (ServesPayloads, RelaysFetches, JoinsGroups, ReloadsFromDisk, Scores):
+        assert issubclass(VllmAdapter, cap), cap
+    assert not issubclass(VllmAdapter, RelaysPayloads)     # it relays by fetch, not by frames
+    assert VllmAdapter.accepts is None
+    transports = load_components().transports
+    for name in ("http", "shm", "collective"):
+        assert missing(VllmAdapter, transports.get(name)) == [], name
     assert VllmAdapter.pause_modes == ("abort", "wait", "keep")
     assert _parse_version(None) == 0 and _parse_version("7") == 7 and _parse_version("step-12") == 12
 
@@ -261,7 +275,7 @@ def test_start_command_keeps_or_makes_the_backend_token(monkeypatch: pytest.Monk
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     options: dict = {}
     env = {"WEIGHTSYNC_API_KEY": "sk-1"}
-    argv = VllmAdapter.start_command("/m", "10.0.0.2", 8123, "e1", options, env)
+    argv = VllmLauncher.start_command("/m", "10.0.0.2", 8123, "e1", options, env)
     assert argv[:3] == ["{python}", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--model") + 1] == "/m"
     assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "weightsync"}
@@ -269,7 +283,7 @@ def test_start_command_keeps_or_makes_the_backend_token(monkeypatch: pytest.Monk
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_API_KEY"] == "sk-1"
     assert len(options["token"]) == 32 and env["WEIGHTSYNC_VLLM_TOKEN"] == options["token"]
     kept: dict = {"token": "t0"}
-    VllmAdapter.start_command("/m", "h", 1, "e", kept, env2 := {})
+    VllmLauncher.start_command("/m", "h", 1, "e", kept, env2 := {})
     assert kept["token"] == env2["WEIGHTSYNC_VLLM_TOKEN"] == "t0"
 
 
@@ -278,18 +292,18 @@ def test_start_command_without_vllm_says_what_to_install(monkeypatch: pytest.Mon
     from weightsync.errors import ConfigError
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="vLLM is not installed on this node"):
-        VllmAdapter.start_command("/m", "h", 1, "e", {}, {})
+        VllmLauncher.start_command("/m", "h", 1, "e", {}, {})
 
 
 def test_an_aborted_completion_is_not_fitting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request that a pause in mode abort ended comes back partial: refused, never a sample."""
     from weightsync.config import EngineSpec
     from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams
-    a = VllmAdapter(engine=EngineSpec(url="http://127.0.0.1:9", name="e"))
+    s = VllmSampler(VllmAdapter(engine=EngineSpec(url="http://127.0.0.1:9", name="e")))
     versions = iter([4, 5])
-    monkeypatch.setattr(a, "weight_version", lambda: next(versions))
-    monkeypatch.setattr(a, "_generation_call", lambda body: {"choices": [
+    monkeypatch.setattr(s, "weight_version", lambda: next(versions))
+    monkeypatch.setattr(s, "_generation_call", lambda body: {"choices": [
         {"index": 0, "token_ids": [3], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "abort"}]})
     with pytest.raises(NotFitting, match="engine e aborted the request") as e:
-        a.generate([1, 2], SamplingParams(max_new_tokens=4), Gate(min_version=4))
+        s.generate([1, 2], SamplingParams(max_new_tokens=4), Gate(min_version=4))
     assert e.value.held == 5

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from weightsync.fleets.peer import new_token
+from weightsync.interfaces.capabilities import PullsFromPeers, SharesWeights
 
 log = logging.getLogger("weightsync.fleets")
 
@@ -66,7 +67,7 @@ class CatchUp:
                 or not self._lags(m, current, time.monotonic()):
             return False
         cls = self.service.components.adapters.get(m.reg.adapter.kind)
-        return "pull" in cls.capabilities and bool(self._peers(m.reg.name, current, set()))
+        return issubclass(cls, PullsFromPeers) and bool(self._peers(m.reg.name, current, set()))
 
     def _scan(self) -> None:
         roster = self.service.roster
@@ -79,7 +80,7 @@ class CatchUp:
             behind = [m for m in roster.members.values() if self._lags(m, current, now)]
         for m in behind:
             cls = self.service.components.adapters.get(m.reg.adapter.kind)
-            if not self.enabled or "pull" not in cls.capabilities:
+            if not self.enabled or not issubclass(cls, PullsFromPeers):
                 roster.set_state(m.reg.name, "behind", "behind the fleet; the next push catches it up")
                 continue
             roster.set_state(m.reg.name, "joining")
@@ -96,7 +97,7 @@ class CatchUp:
                 if m.reg.name == joiner or m.reg.name in tried or m.reg.role != "engine":
                     continue
                 cls = self.service.components.adapters.get(m.reg.adapter.kind)
-                if m.state == "live" and m.version == version and "peer" in cls.capabilities:
+                if m.state == "live" and m.version == version and issubclass(cls, SharesWeights):
                     peers.append(m)
             return sorted(peers, key=lambda m: (m.serving, m.reg.name))
 
@@ -122,8 +123,10 @@ class CatchUp:
                 tried.add(peer.reg.name)
                 try:
                     token = new_token()
-                    info = self.service.adapter(peer).share(token, self.ttl)
-                    got = self.service.adapter(joiner).pull(
+                    source, puller = self.service.adapter(peer), self.service.adapter(joiner)
+                    assert isinstance(source, SharesWeights) and isinstance(puller, PullsFromPeers)
+                    info = source.share(token, self.ttl)
+                    got = puller.pull(
                         {"url": peer.reg.url, "token": token, "source": info.get("source", "http"),
                          "anchor": {"version": version, "buckets": anchor}})
                     with roster.lock:

@@ -1,13 +1,21 @@
-"""The component kinds: Exporter, Encoding, Transport, Adapter, Fleet, PeerSource. A component is
-a class with a `name` (what users type in config) and a pydantic `Options` model; the
-orchestrator builds it from config and calls it directly. One module per kind of job."""
+"""The component kinds: Exporter, Encoding, Transport, Adapter, Fleet, PeerSource, Launcher; the
+messages a transport delivers through an adapter; the capabilities an adapter may have. A
+component is a class with a `name` (what users type in config) and a pydantic `Options` model;
+the orchestrator builds it from config and calls it directly. One module per kind of job."""
 
-from weightsync.interfaces.adapter import Adapter, EngineStatus, LocalEngine
+from weightsync.interfaces.adapter import Adapter, EngineStatus, HttpAdapter
 from weightsync.interfaces.base import Alloc, Bounded, Component, NameMap, NoOptions, Payload
+from weightsync.interfaces.capabilities import (Distrusts, JoinsGroups, PullsFromPeers,
+                                                RelaysFetches, RelaysPayloads, ReloadsFromDisk,
+                                                Scores, ServesPayloads, SharesWeights)
 from weightsync.interfaces.fleet import Fleet, Member, PeerSource
-from weightsync.interfaces.streams import (Encoding, Endpoint, Exporter, Render, Transport,
+from weightsync.interfaces.launcher import Launcher, LocalEngine
+from weightsync.interfaces.messages import Announce, Message
+from weightsync.interfaces.streams import (Encoding, Endpoint, Exporter, Render, Stages, Transport,
                                            TransportReceiver)
 
-__all__ = ["Adapter", "Alloc", "Bounded", "Component", "Encoding", "EngineStatus", "Endpoint",
-           "Exporter", "Fleet", "LocalEngine", "Member", "NameMap", "NoOptions", "Payload",
-           "PeerSource", "Render", "Transport", "TransportReceiver"]
+__all__ = ["Adapter", "Alloc", "Announce", "Bounded", "Component", "Distrusts", "Encoding",
+           "EngineStatus", "Endpoint", "Exporter", "Fleet", "HttpAdapter", "JoinsGroups", "Launcher",
+           "LocalEngine", "Member", "Message", "NameMap", "NoOptions", "Payload", "PeerSource",
+           "PullsFromPeers", "RelaysFetches", "RelaysPayloads", "ReloadsFromDisk", "Render",
+           "Scores", "ServesPayloads", "SharesWeights", "Stages", "Transport", "TransportReceiver"]

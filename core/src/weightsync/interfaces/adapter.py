@@ -1,19 +1,23 @@
-"""The Adapter: one engine's control protocol, its load paths, and the optional members for
-rollouts, the probe and launching the engine."""
+"""The Adapter: one engine's round protocol (health, pause, begin, deliver, end, commit, resume,
+abort). What a transport needs on the engine side travels as that transport's messages through
+`deliver`; what else an engine can do is a capability type (`weightsync.interfaces.capabilities`);
+rollouts and launching are other interfaces (a sampler the RL application defines, `Launcher`)."""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
+
+import requests
 
 from pydantic import BaseModel
 
 from weightsync.errors import WeightSyncError
-from weightsync.interfaces.sampling import Gate, Sample, SamplingParams, Unsupported
 from weightsync.interfaces.base import Bounded, Component, Payload
-from weightsync.interfaces.streams import Encoding, Endpoint, Transport
+from weightsync.interfaces.messages import Message
+from weightsync.interfaces.streams import Encoding, Transport
+from weightsync.net.client import auth_headers, call, session_for
 
 if TYPE_CHECKING:
     from weightsync.config import EngineSpec
@@ -33,7 +37,10 @@ class Adapter(Bounded, Component):
     round id the adapter then sends with every call, and hold it under a lease the pipeline keeps
     alive through `renew`); `end` returns digests; `commit` or `abort` closes it."""
 
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    accepts: ClassVar[tuple[type[Message], ...] | None] = ()
+    """The message types `deliver` carries (subclasses count); None: any message, because the
+    engine runs weightsync's receiver, which passes each to the round's transport's receiving
+    half. A transport whose `messages` are not all accepted is refused at config load."""
     staging: ClassVar[bool] = True
     """True: the engine stages a whole round and applies it at commit, so it keeps generating
     during the transfer and is paused only around the swap. False: it applies as it receives
@@ -47,8 +54,8 @@ class Adapter(Bounded, Component):
     encodings: ClassVar[frozenset[str] | None] = None   # None: weightsync's receiver decodes any
     pause_modes: ClassVar[tuple[str, ...]] = ("abort", "keep")
     ordered_announces: ClassVar[bool] = False
-    """True when the engine serves announces in their `seq` order itself (weightsync's receiver),
-    so a transport may keep the next one in flight; otherwise it waits for each to finish."""
+    """True when the engine takes `Announce` messages in their `seq` order itself (weightsync's
+    receiver), so a transport may keep the next one in flight; otherwise it waits for each."""
     layout: ClassVar[str] = "safetensors"
     """What a group broadcast carries for this engine: "safetensors" (the whole payload body) or
     "flat" (only its data section: tensor bytes back to back, largest itemsize first, which is
@@ -110,132 +117,41 @@ class Adapter(Bounded, Component):
         and equal (the outcome is `verified`); False: not checked; raise on a mismatch."""
         return False
 
-    def payload_endpoint(self) -> Endpoint:
-        raise NotImplementedError(f"adapter {self.name!r} has no HTTP payload endpoint")
-
-    def relay_target(self) -> Endpoint | None:
-        """Relay shapes of `http`: where a parent member posts this engine's frames (URL and
-        round headers, never the API key); None: the engine takes payloads from the trainer only."""
-        return None
-
-    def expect(self, body: Mapping[str, Any]) -> None:
-        """Relay shapes: tell the engine what a bucket that comes through a relay must be."""
-        raise NotImplementedError(f"adapter {self.name!r} cannot take relayed payloads")
-
-    def relay_answer(self, index: int, wait: float) -> Mapping[str, Any]:
-        """Relay shapes: the engine's own outcome for relayed bucket `index` (signed with the
-        key the trainer gave it), waiting up to `wait` seconds for it; asked over the engine's
-        own channel, so no relay can hide or forge it."""
-        raise NotImplementedError(f"adapter {self.name!r} cannot take relayed payloads")
-
-    def relay_source(self) -> str | None:
-        """Fetch relays of `http` (engines that fetch their bodies by reference): the URL of the
-        body server where this engine offers the pieces it checked to the engines it feeds;
-        None: it cannot pass bytes on this way."""
-        return None
-
-    def take_fetch(self, header: Mapping[str, Any], fetch: Mapping[str, Any]) -> None:
-        """Fetch relays: hand the engine one payload to fetch by reference (`fetch`: url, token,
-        nbytes, and under "relay" the piece digests, what to offer on, and the trainer's
-        fallback copy); returns once it staged the payload."""
-        raise NotImplementedError(f"adapter {self.name!r} cannot fetch relayed payloads")
-
-    def announce(self, header: Mapping[str, Any]) -> None:
-        raise NotImplementedError(f"adapter {self.name!r} cannot announce out-of-band payloads")
-
-    def group_size(self) -> int:
-        """Ranks this engine contributes to a collective group (its TP size)."""
-        return 1
-
-    def join_group(self, info: Mapping[str, Any]) -> None:
-        """Blocking: the engine joins the trainer's group. `info` is SGLang's init body:
-        master_address, master_port, rank_offset, world_size, group_name, backend."""
-        raise NotImplementedError(f"adapter {self.name!r} cannot join a collective group")
-
-    def load_from_disk(self, path: str, version: int) -> None:
-        """Capability "disk": reload every weight from a local safetensors checkpoint directory
-        and set `version` (disk_delta's pull agent calls this)."""
-        raise NotImplementedError(f"adapter {self.name!r} cannot reload from disk")
-
-    def leave_group(self, info: Mapping[str, Any]) -> None:
-        """Best effort: ask the engine to destroy the group."""
-
-    def share(self, token: str, ttl: float) -> dict[str, Any]:
-        """Capability "peer": let a joiner holding `token` pull this engine's current weights
-        for `ttl` seconds; returns what the joiner needs besides url and token (the source)."""
-        raise NotImplementedError(f"adapter {self.name!r} cannot serve its weights to peers")
-
-    def pull(self, peer: Mapping[str, Any]) -> int:
-        """Capability "pull": the engine fetches the current version from `peer` (url, token,
-        source), checks every digest and commits it; returns the version it holds."""
-        raise NotImplementedError(f"adapter {self.name!r} cannot pull from peers")
-
-    # -- optional: rollouts, the probe, launching (each raises Unsupported where not declared) ---
-    sampling: ClassVar[frozenset[str]] = frozenset()
-    """The `SamplingParams` fields this engine honours in `generate`; empty: it cannot generate
-    through weightsync, and the rollout client refuses it before sending anything."""
-
-    gates: ClassVar[bool] = False
-    """True when `generate` waits on the engine itself for a version the gate admits (and
-    refuses exact requests whose weights move); False: the client reads the version around it."""
-
-    def generate(self, prompt: list[int], params: "SamplingParams", gate: "Gate") -> list["Sample"]:
-        """`params.n` samples of `prompt`, each with the logprob of every sampled token and the
-        version(s) it was computed with (`Sample.version`, `Sample.version_end`). Raises
-        NotFitting (with the version held) when the engine holds no version `gate` admits, or
-        when its weights changed under a request it cannot report per token."""
-        raise Unsupported(f"adapter {self.name!r} cannot generate")
-
-    def weight_version(self) -> int | None:
-        """The version the engine serves now; None when it does not answer."""
-        try:
-            return self.health().version
-        except WeightSyncError:
-            return None
-
-    scores: ClassVar[bool] = False
-    """True when `score` works: the engine can score a given sequence (the probe after commit)."""
-
-    def score(self, ids: list[int]) -> tuple[list[float], int]:
-        """The logprob of each token of `ids` after the first, given the tokens before it, and
-        the version that computed them: what the probe compares with the trainer's own."""
-        raise Unsupported(f"adapter {self.name!r} cannot score a sequence")
-
-    def busy_seconds(self) -> float | None:
-        """Seconds the engine has spent generating since it started (an RL loop's idle
-        fraction); None when the engine does not report it."""
-        return None
-
-    def distrust(self, version: int, reason: str) -> bool:
-        """The probe failed on `version`: ask the engine to serve no gated request until a later
-        version is committed. False: the engine cannot record it (the report still says so)."""
-        return False
-
-    @classmethod
-    def start_command(cls, model: str, host: str, port: int, name: str,
-                      options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
-        """The argv that starts this engine on `model` listening on host:port (Ray's engine
-        actors). May add to `env` and `options` (a token the adapter must send). "{python}" in
-        the argv stands for the node's interpreter; `extra` holds the launch's other fields
-        (device, load_roots) for the engines that read them."""
-        raise Unsupported(f"adapter {cls.name!r} has no start command; give the launch a `command`")
-
-    @classmethod
-    def launch_local(cls, model_dir: Path, workdir: Path, name: str,
-                     extra_args: list[str] | None = None) -> "LocalEngine":
-        """Start one engine on this machine serving `model_dir` (a Hugging Face model directory;
-        `weightsync demo --engine KIND`); logs go under `workdir`; `extra_args` go to its
-        command line."""
-        raise Unsupported(f"adapter {cls.name!r} cannot start an engine on this machine")
+    def deliver(self, message: Message) -> Mapping[str, Any]:
+        """Carry one transport message to the engine (within the open round when there is one)
+        and return the engine's answer. The adapter knows no transport: an engine that runs
+        weightsync's receiver hands the message to the round's transport receiving half
+        (`accepts = None`); an adapter for an engine with its own routes translates the message
+        kinds it lists in `accepts`."""
+        raise WeightSyncError(f"adapter {self.name!r} takes no transport messages "
+                              f"({message.kind!r} refused)")
 
     def close(self) -> None:
         """Release connections."""
 
 
-@dataclass
-class LocalEngine:
-    """An engine `Adapter.launch_local` started: its config entry (url, api_key, name, adapter)
-    and how to stop it."""
+class HttpAdapter(Adapter):
+    """An adapter that talks HTTP to its engine, as every engine adapter does: one session (with
+    the engine's TLS verification), the engine's API key as a bearer header, its base URL, and
+    `request`, which raises EngineUnreachable / EngineUnavailable / EngineError with the engine's
+    own words (weightsync.net.client.call)."""
 
-    spec: dict[str, Any]
-    stop: Callable[[], None]
+    def __init__(self, options: BaseModel | None = None, engine: "EngineSpec | None" = None) -> None:
+        super().__init__(options, engine)
+        self.session = session_for(self.engine)
+        self.headers = auth_headers(self.engine.api_key)
+        self.base = self.engine.url.rstrip("/")
+
+    def request(self, method: str, path: str, *, timeout: float | None = None,
+                ok: Iterable[int] = (200,), headers: Mapping[str, str] | None = None,
+                push: bool = True, **kwargs: Any) -> requests.Response:
+        """One call to `base + path`; `timeout` defaults to the adapter's `timeout` option and,
+        for a call of a push (`push`), is cut to the push's deadline (a rollout's call is not);
+        `headers` add to the key's; `kwargs` go to requests (json, params, data)."""
+        seconds = timeout if timeout is not None else getattr(self.options, "timeout", 30.0)
+        return call(self.session, self.engine_name, method, self.base + path,
+                    timeout=self.bounded(seconds) if push else seconds, ok=ok,
+                    headers={**self.headers, **(headers or {})}, **kwargs)
+
+    def close(self) -> None:
+        self.session.close()

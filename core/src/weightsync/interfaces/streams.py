@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Protocol, Sequence
 
 import torch
 from pydantic import BaseModel
 
 from weightsync.wire.bucket import Bucket
+from weightsync.errors import PayloadError
 from weightsync.interfaces.base import Alloc, Bounded, Component, NameMap, Payload
+from weightsync.interfaces.messages import Message
 
 if TYPE_CHECKING:
     from weightsync.interfaces.adapter import Adapter
@@ -78,6 +80,12 @@ class Endpoint:
     that takes another body than weightsync's frame (vLLM's JSON /update_weights); None: the frame."""
 
 
+class Stages(Protocol):
+    """What a receiving half stages payloads into (the round's `ReceiveSession`)."""
+
+    def apply(self, header: Mapping[str, Any], body: memoryview | None = None) -> str: ...
+
+
 class TransportReceiver(abc.ABC):
     """The receiving half of a transport, built inside the engine process from `describe()`."""
 
@@ -92,8 +100,15 @@ class TransportReceiver(abc.ABC):
         # typed Any: each kind's receiver reads the fields of its own `Options` model
         self.options: Any = options
 
-    def join(self, info: Mapping[str, Any]) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not join groups")
+    def deliver(self, kind: str, body: Mapping[str, Any], session: Stages) -> dict[str, Any]:
+        """One message from this transport's sending half (`Adapter.deliver`), parsed inside the
+        engine; returns the JSON answer. Here: an `Announce` ("announce", `body` the payload's
+        header) is staged through `session` and answered with its digest. A transport with
+        messages of its own overrides this and passes the rest up."""
+        if kind == "announce":
+            return {"digest": session.apply(body, None)}
+        raise PayloadError(f"transport receiver {type(self).__name__} takes no message {kind!r}; "
+                           f"is the engine's weightsync plugin for this transport the trainer's?")
 
     def hash_source(self, header: Mapping[str, Any]) -> bool | None:
         """Whether the body of `header` may be hashed as it is read, though it is shared memory
@@ -118,12 +133,13 @@ class TransportReceiver(abc.ABC):
 
 
 class Transport(Bounded, Component):
-    """Carries payloads from the sender to every engine. `requires` names the adapter capability
-    it uses to reach the engine: "http" (payload POSTed to an endpoint the adapter gives),
-    "announce" (bytes placed out of band, the adapter announces them), "group" (a collective
-    group the adapter asks the engine to join)."""
+    """Carries payloads from the sender to every engine. `requires` lists the capability types
+    (weightsync.interfaces.capabilities) an adapter must have for this transport, `messages` the
+    message types its sending half delivers (`Adapter.deliver`); the assembly refuses an adapter
+    that lacks one, before anything moves."""
 
-    requires: ClassVar[str] = "http"
+    requires: ClassVar[tuple[type, ...]] = ()
+    messages: ClassVar[tuple[type[Message], ...]] = ()
     same_host: ClassVar[bool] = False
     publish_only: ClassVar[bool] = False
     """True for transports that publish for receivers to pull (disk_delta): the pipeline then

@@ -50,8 +50,10 @@ class ReceiveSession:
         """A private copy of every tensor, and the digest of those copies (what commit loads)."""
         return stage_from(self.rx, header, named, self._buffer, algo)
 
-    def join(self, info: Mapping[str, Any]) -> None:
-        self.rx.join(info)
+    def deliver(self, kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A transport message (`Adapter.deliver`) for this round: its receiving half parses it,
+        staging through this session where it carries a payload."""
+        return self.rx.deliver(kind, body, self)
 
     def _claim(self, payload: Payload, names: list[str]) -> bool:
         """Take the names of `payload` for this round; False: it was already staged (a retry)."""

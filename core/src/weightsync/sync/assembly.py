@@ -12,7 +12,7 @@ from weightsync.errors import ConfigError
 from weightsync.interfaces import Adapter, Encoding, Exporter, Transport
 
 __all__ = ["EnginePlan", "ResolvedConfig", "check_combination", "check_fleet_engines",
-           "check_pause_mode", "plan_engine", "resolve"]
+           "check_pause_mode", "missing", "plan_engine", "resolve"]
 
 
 @dataclass
@@ -91,12 +91,24 @@ def check_pause_mode(mode: str | None, adapter: type[Adapter]) -> None:
                           f"use one of {list(adapter.pause_modes)}")
 
 
+def missing(adapter: type[Adapter], transport: type[Transport]) -> list[str]:
+    """What `adapter` lacks for `transport`: capability types it does not implement, message
+    types it cannot deliver (an adapter whose engine runs weightsync's receiver takes any)."""
+    out = [f"capability {cap.__name__}" for cap in transport.requires
+           if not issubclass(adapter, cap)]
+    if adapter.accepts is not None:
+        out += [f"message {m.__name__} ({m.kind!r})" for m in transport.messages
+                if not issubclass(m, adapter.accepts)]
+    return out
+
+
 def check_combination(adapter: type[Adapter], options: Any, transport: type[Transport],
                       encoding: type[Encoding], spec: EngineSpec, components: Any) -> None:
-    if transport.requires not in adapter.capabilities:
-        works = [n for n, t in components.transports.items() if t.requires in adapter.capabilities]
+    lacks = missing(adapter, transport)
+    if lacks:
+        works = [n for n, t in components.transports.items() if not missing(adapter, t)]
         raise ConfigError(f"adapter {adapter.name!r} cannot receive over transport "
-                          f"{transport.name!r} (it needs the adapter to support {transport.requires!r}); "
+                          f"{transport.name!r} (it lacks {', '.join(lacks)}); "
                           f"transports that work with {adapter.name!r}: {works}")
     if adapter.encodings is not None and encoding.name not in adapter.encodings:
         raise ConfigError(f"adapter {adapter.name!r} cannot apply encoding {encoding.name!r} "

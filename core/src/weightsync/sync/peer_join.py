@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from weightsync.errors import WeightSyncError
 from weightsync.fleets.peer import new_token
-from weightsync.interfaces import Adapter, Transport
+from weightsync.interfaces import Adapter, PullsFromPeers, SharesWeights, Transport
 from weightsync.sync.report import SyncReport
 from weightsync.sync.rounds import Calls, Clock
 
@@ -60,10 +60,10 @@ class PeerCatchUp:
         if plan is None or not behind:
             return behind
         version = self.report.version
-        joiners = [a for a in behind if "pull" in type(a).capabilities]
+        joiners = [a for a in behind if isinstance(a, PullsFromPeers)]
         left = [a for a in behind if a not in joiners]
-        self._why(left, "its adapter cannot pull from peers (no 'pull' capability)")
-        peers = [a for a in current if "peer" in type(a).capabilities]
+        self._why(left, "its adapter cannot pull from peers (it is not PullsFromPeers)")
+        peers = [a for a in current if isinstance(a, SharesWeights)]
         if not joiners:
             return behind
         if not peers or not anchor:
@@ -97,6 +97,7 @@ class PeerCatchUp:
 
     @staticmethod
     def _join(joiner: Adapter, peer: Adapter, ttl: float, anchor: dict[str, Any]) -> int:
+        assert isinstance(joiner, PullsFromPeers) and isinstance(peer, SharesWeights)
         token = new_token()
         info = peer.share(token, ttl)
         got = joiner.pull({"url": peer.engine.url, "token": token,

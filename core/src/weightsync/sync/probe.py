@@ -10,13 +10,13 @@ dict or another model is not probed ("auto") or fails the push ("on")."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
 from weightsync.config import ProbeSettings
 from weightsync.errors import WeightSyncError
-from weightsync.interfaces import Adapter
+from weightsync.interfaces import Adapter, Distrusts, Scores
 from weightsync.interfaces.sampling import Unsupported
 from weightsync.sync.ranks import distributed
 from weightsync.sync.report import SyncReport
@@ -83,9 +83,9 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
     tolerance = settings.tolerance or tolerance_for(model)
     mine = trainer_logprobs(model, ids)
     targets = [a for a in adapters
-               if a.scores and (seen := report.engines.get(a.engine_name)) is not None
+               if isinstance(a, Scores) and (seen := report.engines.get(a.engine_name)) is not None
                and seen.ok and seen.version == version]
-    answers, fails = each(targets, lambda a: a.score(ids))
+    answers, fails = each(targets, lambda a: cast(Scores, a).score(ids))
     unprobed: list[str] = []
     for a in targets:
         o = report.engines[a.engine_name]
@@ -106,6 +106,8 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
                             f"{tolerance:g}): it does not compute with the pushed weights")
         else:
             continue
+        if not isinstance(a, Distrusts):
+            continue                         # the report says the probe failed; that is all
         try:
             a.distrust(version, o.error or "probe failed")
         except WeightSyncError as e:

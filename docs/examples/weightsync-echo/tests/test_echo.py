@@ -12,7 +12,7 @@ def test_plugin_is_installed():
 def test_receiver_refuses_paths(tmp_path):
     receiver = EchoTransport.receiver(EchoTransport.Options(directory=str(tmp_path)))
     with pytest.raises(PayloadError, match="plain name"):
-        receiver.receive({"transport": {"file": "../secret"}, "nbytes": 0}, None)
+        receiver.deliver("echo.file", {"file": "../secret", "header": {"nbytes": 0}}, None)
 
 
 class TestEchoTransport(TransportContract):

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from weightsync.config import parse_bytes as parse_size
+from weightsync.sync.assembly import missing
 from weightsync_bench.floors import Baselines, _memcpy_floor, _one_core_rows
 from weightsync_bench.measure import MOE, PIDS, Row, exact_malloc, loadavg, timed
 from weightsync_bench.model import model_bytes, moe_model, small_tensors_model, synthetic_model
@@ -78,7 +79,7 @@ class Bench(Baselines, TransportRows):
         comps = load_components()
         ref = comps.adapters.get("reference")
         usable = [n for n, t in comps.transports.items()
-                  if t.requires in ref.capabilities and not t.publish_only]
+                  if not missing(ref, t) and not t.publish_only]
         if self.args.transports:
             wanted = [t.strip() for t in self.args.transports.split(",") if t.strip()]
             unknown = [t for t in wanted if t not in usable]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from weightsync.errors import PayloadError, WeightSyncError
-from weightsync.interfaces import Adapter
+from weightsync.interfaces import Adapter, ReloadsFromDisk
 
 from . import kernels, shards
 from .layout import Hook, read_latest
@@ -36,11 +36,18 @@ ADVICE = ("the agent tries again after backing off; if this persists, have the t
           "a newer version (a full one if the chain is damaged)")
 
 
+def _cannot_reload(adapter: object) -> WeightSyncError:
+    return WeightSyncError(f"adapter {type(adapter).__name__} cannot reload from disk (it has no "
+                           f"`load_from_disk`: the ReloadsFromDisk capability)")
+
+
 class Agent:
     def __init__(self, root: str | Path, local: str | Path, adapter: Adapter | None = None, *,
                  before_read: Hook | None = None, fsync: bool = False,
                  on_event: Callable[[str], None] | None = None, max_backoff: float = 60.0,
                  hmac_key: bytes | None = None) -> None:
+        if adapter is not None and not isinstance(adapter, ReloadsFromDisk):
+            raise _cannot_reload(adapter)           # before any round, not at its first reload
         self.root = Path(root)
         self.hmac_key = hmac_key                 # manifests must be signed with it
         self.local = LocalCheckpoint(local, fsync=fsync)
@@ -174,9 +181,11 @@ class Agent:
         """The engine loads the local checkpoint as `v`; with an HMAC key the agent signs it
         (it checked every manifest on the way), for an engine that holds the key too."""
         import inspect
+        if not isinstance(self.adapter, ReloadsFromDisk):
+            raise _cannot_reload(self.adapter)
         path = str(self.local.model_dir)
-        # an engine's own load_from_disk may take `signature` too (asked below)
-        load: Callable[..., None] = self.adapter.load_from_disk  # type: ignore[union-attr]
+        # an engine's own load_from_disk may take no `signature` (asked below)
+        load: Callable[..., None] = self.adapter.load_from_disk
         if self.hmac_key is not None and "signature" in inspect.signature(load).parameters:
             from weightsync.wire.signing import checkpoint_signature
             load(path, v, signature=checkpoint_signature(self.hmac_key, path, v))

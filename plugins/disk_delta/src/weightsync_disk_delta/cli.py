@@ -15,10 +15,12 @@ def _adapter(kind: str, url: str | None, api_key: str | None):  # noqa: ANN202
     if not url:
         raise SystemExit("error: --url is required unless --engine none")
     from weightsync.config import ComponentRef, EngineSpec, build_options
+    from weightsync.interfaces import ReloadsFromDisk
     from weightsync.plugins import load_components
     cls = load_components().adapters.get(kind)
-    if "disk" not in cls.capabilities:
-        raise SystemExit(f"error: adapter {kind!r} cannot reload from disk (no 'disk' capability)")
+    if not issubclass(cls, ReloadsFromDisk):
+        raise SystemExit(f"error: adapter {kind!r} cannot reload from disk (it has no "
+                         f"`load_from_disk`: the ReloadsFromDisk capability)")
     return cls(build_options(cls, ComponentRef(kind=kind), "adapter"), EngineSpec(url=url, api_key=api_key))
 
 

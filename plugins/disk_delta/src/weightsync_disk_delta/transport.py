@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.wire.bucket import tensor_digest
 from weightsync.errors import TransportError
-from weightsync.interfaces import Adapter, Payload, Transport
+from weightsync.interfaces import Adapter, Payload, ReloadsFromDisk, Transport
 from weightsync.wire.signing import load_key
 from weightsync.wire.frame import unpack
 
@@ -50,7 +50,7 @@ class DiskDeltaOptions(BaseModel):
 class DiskDeltaTransport(Transport):
     name = "disk_delta"
     Options = DiskDeltaOptions
-    requires = "disk"
+    requires = (ReloadsFromDisk,)   # the pull agent has each engine reload its local copy
     publish_only = True
     receiver = None
 

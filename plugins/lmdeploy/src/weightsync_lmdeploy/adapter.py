@@ -1,7 +1,9 @@
 """Adapter `lmdeploy`: drives an LMDeploy api_server through its own routes
 (docs/engines.md, LMDeploy): `/update_weights` (same host, tensor handles), the collective
 routes (`/init_weights_update_group`, `/update_weights_from_distributed`,
-`/destroy_weights_update_group`) and `/sleep` / `/wakeup`.
+`/destroy_weights_update_group`, onto which `deliver` translates the `collective` transport's
+`JoinGroup`, `Broadcast` and `LeaveGroup`: LMDeploy does not run weightsync's receiver) and
+`/sleep` / `/wakeup`. Rollouts are `generation.LmdeploySampler`.
 
 What LMDeploy lacks, and what this adapter does about it:
 - No pause route. Pausing is `/sleep?level=L` (cancels every session: the "abort" mode) then
@@ -9,7 +11,7 @@ What LMDeploy lacks, and what this adapter does about it:
 - No weight-version route. The version is remembered per engine URL in the trainer process
   (`versions`); a new trainer process starts from 0 and resends everything, which is harmless
   because LMDeploy only ever takes whole weights (encodings raw and cast). For rollouts
-  (`weight_version`, `generate`) an engine this process committed nothing to has no known
+  (`committed_version`, the sampler) an engine this process committed nothing to has no known
   version (None), never an assumed 0.
 - No read-back and no abort of an update. `finished=true` rides on the very last call of a sync
   and is the only call that completes it. LMDeploy's PyTorch backend writes each call straight
@@ -23,17 +25,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, Literal, Mapping
 
-import requests
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from weightsync.errors import ConfigError, EngineError, WeightSyncError
-from weightsync.net.client import auth_headers, call, json_of
-from weightsync.interfaces import Adapter, Encoding, EngineStatus, Payload, Transport
+from weightsync.net.client import json_of
+from weightsync.interfaces import (Encoding, EngineStatus, HttpAdapter, JoinsGroups, Message,
+                                   Payload, Transport)
+from weightsync.transports.collective import Broadcast, JoinGroup, LeaveGroup
 
-from .generation import LmdeployRollouts
 from .segments import LayerGrouper, Segment, flattened_runs, plain
 from .serialize import serialize_flattened, serialize_plain
 
@@ -68,10 +70,10 @@ class LmdeployOptions(BaseModel):
         return v
 
 
-class LmdeployAdapter(LmdeployRollouts, Adapter):
+class LmdeployAdapter(HttpAdapter):
     name = "lmdeploy"
     Options = LmdeployOptions
-    capabilities: ClassVar[frozenset[str]] = frozenset({"lmdeploy_ipc", "group"})
+    accepts = (Broadcast, JoinGroup, LeaveGroup)  # collective's messages, on LMDeploy's own routes
     encodings = frozenset({"raw", "cast"})
     pause_modes = ("abort",)
     layout = "flat_per_dtype"
@@ -80,9 +82,6 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)
-        self.session = requests.Session()
-        self.headers = auth_headers(self.engine.api_key)
-        self.base = self.engine.url.rstrip("/")
         self._lock = threading.Lock()      # one /update_weights call at a time, in order
         self._reset_round()
         self._paused = False
@@ -92,7 +91,8 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
     @classmethod
     def check(cls, options: BaseModel, transport: type[Transport], encoding: type[Encoding]) -> None:
         o: LmdeployOptions = options  # type: ignore[assignment]
-        if o.backend == "turbomind" and transport.requires == "group":
+        group = JoinsGroups in transport.requires
+        if o.backend == "turbomind" and group:
             raise ConfigError("LMDeploy's TurboMind backend has no collective weight routes (they "
                               "answer 501); use transport 'lmdeploy_ipc' with flattened: false, or "
                               "backend 'pytorch' for the collective path")
@@ -100,7 +100,7 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
             raise ConfigError("LMDeploy's TurboMind backend takes only plain /update_weights "
                               "payloads, one decoder layer per call; set flattened: false (transport "
                               "'lmdeploy_ipc'), or use backend 'pytorch' for flattened buckets")
-        if transport.requires == "group" and not o.flattened:
+        if group and not o.flattened:
             raise ConfigError("transport 'collective' broadcasts one buffer per dtype, which LMDeploy "
                               "reads only with load_format flattened_bucket; set flattened: true, or "
                               "use transport 'lmdeploy_ipc' for plain payloads")
@@ -110,12 +110,11 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
                  timeout: float | None = None) -> Any:
         """Every LMDeploy POST route requires Content-Type: application/json (`json=` sets it),
         even /sleep and /wakeup whose arguments are query parameters."""
-        kw: dict[str, Any] = {"headers": self.headers, "params": params}
+        kw: dict[str, Any] = {"params": params}
         if method == "POST":
             kw["json"] = body if body is not None else {}
         try:
-            resp = call(self.session, self.engine_name, method, self.base + path,
-                        timeout=timeout or self.options.timeout, **kw)
+            resp = self.request(method, path, timeout=timeout, **kw)
         except EngineError as e:
             if "HTTP 500" in e.detail:
                 raise EngineError(self.engine_name, f"{e.detail} (LMDeploy answers a bare 500 when "
@@ -123,12 +122,13 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
             raise
         return json_of(resp, self.engine_name)
 
-    def _checked(self, path: str, body: Mapping[str, Any], timeout: float) -> None:
+    def _checked(self, path: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
         """Group routes answer {"success": bool, "message": str}; a false success is an error."""
         out = self._request("POST", path, dict(body), timeout=timeout)
         if not isinstance(out, dict) or out.get("success") is not True:
             msg = out.get("message") if isinstance(out, dict) else out
             raise EngineError(self.engine_name, f"POST {path} failed: {msg}")
+        return out
 
     # -- control -----------------------------------------------------------------------------
     def health(self) -> EngineStatus:
@@ -138,9 +138,9 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
         return EngineStatus(v, bool(body.get("is_sleeping")), {"is_sleeping": body.get("is_sleeping"),
                                                               "version_source": "adapter"})
 
-    def weight_version(self) -> int | None:
+    def committed_version(self) -> int | None:
         """The version this process last committed to this engine; None when it committed none
-        (LMDeploy itself has no version, so nothing else is known)."""
+        (LMDeploy itself has no version, so nothing else is known): the sampler's version."""
         with _versions_lock:
             return versions.get(self.base)
 
@@ -262,19 +262,31 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
     def group_size(self) -> int:
         return self.options.tp_size
 
-    def join_group(self, info: Mapping[str, Any]) -> None:
-        body = {k: info[k] for k in ("master_address", "master_port", "rank_offset", "world_size",
-                                     "group_name", "backend")}
-        if not body["group_name"]:
-            raise WeightSyncError("LMDeploy requires a non-empty group_name")
-        self._checked("/init_weights_update_group", body, self.options.payload_timeout)
+    def deliver(self, message: Message) -> Mapping[str, Any]:
+        """The collective transport's messages on LMDeploy's own routes; returns LMDeploy's
+        answer. JoinGroup blocks until every TP rank joined; LeaveGroup destroys the group it
+        names (nothing without one); Broadcast is one broadcast (`_announce`)."""
+        def timeout(default: float) -> float:
+            return default if message.wait is None else message.wait
+        if isinstance(message, JoinGroup):
+            info = message.body
+            body = {k: info[k] for k in ("master_address", "master_port", "rank_offset",
+                                         "world_size", "group_name", "backend")}
+            if not body["group_name"]:
+                raise WeightSyncError("LMDeploy requires a non-empty group_name")
+            return self._checked("/init_weights_update_group", body,
+                                 timeout(self.options.payload_timeout))
+        if isinstance(message, LeaveGroup):
+            if not message.body.get("group_name"):
+                return {}
+            return self._checked("/destroy_weights_update_group",
+                                 {"group_name": message.body["group_name"]},
+                                 timeout(self.options.timeout))
+        if isinstance(message, Broadcast):
+            return self._announce(message.body, timeout(self.options.payload_timeout))
+        return super().deliver(message)
 
-    def leave_group(self, info: Mapping[str, Any]) -> None:
-        if info.get("group_name"):
-            self._checked("/destroy_weights_update_group", {"group_name": info["group_name"]},
-                          self.options.timeout)
-
-    def announce(self, header: Mapping[str, Any]) -> None:
+    def _announce(self, header: Mapping[str, Any], timeout: float) -> dict[str, Any]:
         """One broadcast = one /update_weights_from_distributed call (flattened_bucket: a buffer
         of the run's dtype, element counts). finished=true on the last run of the last bucket."""
         tr = header.get("transport") or {}
@@ -292,14 +304,13 @@ class LmdeployAdapter(LmdeployRollouts, Adapter):
                 "shapes": [list(t["shape"]) for t in tensors], "group_name": tr["group_name"],
                 "load_format": "flattened_bucket", "finished": finished}
         self._weights_whole = False
-        self._checked("/update_weights_from_distributed", body, self.options.payload_timeout)
+        out = self._checked("/update_weights_from_distributed", body, timeout)
         if finished:
             self._finished = True
         if _is_last_run(header["tensors"], tr["dtype"]):
             self._acked[int(header["index"])] = str(header["digest"])
+        return out
 
-    def close(self) -> None:
-        self.session.close()
 
 
 def _numel(shape: Any) -> int:

@@ -2,25 +2,29 @@
 lmdeploy.serve.openai.protocol): token-id prompts, `return_logprob` for the sampled tokens'
 logprobs (`meta_info.output_token_logprobs`, [logprob, token id] pairs).
 
-What LMDeploy 0.18's route lacks, and what the adapter does about it:
+`LmdeploySampler` implements RL's sampler interface structurally (this plugin does not depend on
+weightsync_rl). What LMDeploy 0.18's route lacks, and what the sampler does about it:
 - No seed and no `n`: `seed` is not in `sampling` (the rollout client refuses it), and n samples
   are n requests, sent together (LMDeploy batches them).
 - Logprobs only in `--logprobs-mode raw_logprobs` (the log-softmax of the logits before the
   temperature and any filter): equal to SamplingParams' definition at temperature 1 and greedy,
   not at any other temperature, so another temperature is refused (Unsupported).
 - No weight version: the version is the one this trainer process last committed through the
-  adapter (`weightsync_lmdeploy.adapter.versions`); unknown (None) elsewhere, and an engine whose
-  version is unknown fits no gate."""
+  adapter (`weightsync_lmdeploy.adapter.versions`, `LmdeployAdapter.committed_version`);
+  unknown (None) elsewhere, and an engine whose version is unknown fits no gate."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import requests
 from weightsync.errors import EngineError
 from weightsync.net.client import call
 from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
+
+if TYPE_CHECKING:
+    from .adapter import LmdeployAdapter
 
 SAMPLING = frozenset(SamplingParams.model_fields) - {"seed"}
 LOGPROBS_FLAG = "--logprobs-mode raw_logprobs"
@@ -60,20 +64,29 @@ def parse_output(engine: str, out: Any) -> tuple[list[int], list[float], str]:
     return ids, lps, str(reason)
 
 
-class LmdeployRollouts:
-    """The `lmdeploy` adapter's rollout members (mixed into LmdeployAdapter)."""
+class LmdeploySampler:
+    """Rollouts on the LMDeploy api_server an `LmdeployAdapter` drives (its key and options);
+    registered for adapter `lmdeploy` through RL's hook `register_samplers`. LMDeploy cannot
+    hold a request for a version, so the client reads the version around it (`gates` False)."""
 
-    headers: dict[str, str]
-    base: str
-    options: Any
-    engine_name: str
-    weight_version: Any
+    sampling: frozenset[str] = SAMPLING
+    gates: bool = False
 
-    sampling: ClassVar[frozenset[str]] = SAMPLING
+    def __init__(self, adapter: "LmdeployAdapter") -> None:
+        self.adapter = adapter
+
+    def weight_version(self) -> int | None:
+        """The version this process last committed to the engine; None when it committed none."""
+        return self.adapter.committed_version()
+
+    def busy_seconds(self) -> float | None:
+        """LMDeploy reports no busy time."""
+        return None
 
     def generate(self, prompt: list[int], params: SamplingParams, gate: Gate) -> list[Sample]:
+        name = self.adapter.engine_name
         if params.temperature not in (0.0, 1.0):
-            raise Unsupported(f"engine {self.engine_name}: LMDeploy returns logprobs of the "
+            raise Unsupported(f"engine {name}: LMDeploy returns logprobs of the "
                               f"distribution before the temperature (raw_logprobs), which differ "
                               f"from the sampled ones at temperature {params.temperature}; use "
                               f"temperature 1 or 0 with this engine")
@@ -81,7 +94,7 @@ class LmdeployRollouts:
         if not gate.fits(held):
             why = ("LMDeploy has no weight version, and this process has committed none through "
                    "the lmdeploy adapter" if held is None else f"it holds version {held}")
-            raise NotFitting(f"engine {self.engine_name}: {why}; the request wants "
+            raise NotFitting(f"engine {name}: {why}; the request wants "
                              f"{gate.describe()}", held)
         if params.max_new_tokens == 0:        # LMDeploy refuses max_tokens 0: nothing to generate
             outs: list[tuple[list[int], list[float], str]] = [([], [], "length")] * params.n
@@ -91,27 +104,28 @@ class LmdeployRollouts:
                 outs = list(pool.map(lambda _: self._generate_one(body, held), range(params.n)))
         end = self.weight_version()
         if end is None:
-            raise NotFitting(f"engine {self.engine_name}: its version became unknown during the "
+            raise NotFitting(f"engine {name}: its version became unknown during the "
                              f"request", held)
-        return [Sample(ids, lps, reason, self.engine_name, int(held), end, list(prompt))
+        return [Sample(ids, lps, reason, name, int(held), end, list(prompt))
                 for ids, lps, reason in outs]
 
     def _generate_one(self, body: dict[str, Any], held: int | None) -> tuple[list[int], list[float], str]:
+        a = self.adapter
         with requests.Session() as s:     # one per thread: a Session is not shared across threads
-            resp = call(s, self.engine_name, "POST", self.base + "/generate",
-                        timeout=self.options.payload_timeout, ok=(200, 400, 503),
-                        headers=self.headers, json=body)
+            resp = call(s, a.engine_name, "POST", a.base + "/generate",
+                        timeout=a.options.payload_timeout, ok=(200, 400, 503),
+                        headers=a.headers, json=body)
         out = _json(resp)
         if resp.status_code == 503:
-            raise NotFitting(f"engine {self.engine_name} is asleep (a weight update is under way): "
+            raise NotFitting(f"engine {a.engine_name} is asleep (a weight update is under way): "
                              f"{_message(out)}", held)
         if resp.status_code != 200:
             msg = _message(out)
             hint = f" -> start the api_server with {LOGPROBS_FLAG}" if "logprobs_mode" in msg else ""
-            raise EngineError(self.engine_name, f"LMDeploy refused POST /generate: {msg}{hint}")
-        ids, lps, reason = parse_output(self.engine_name, out)
+            raise EngineError(a.engine_name, f"LMDeploy refused POST /generate: {msg}{hint}")
+        ids, lps, reason = parse_output(a.engine_name, out)
         if reason == "abort":
-            raise NotFitting(f"engine {self.engine_name} cancelled the request (a weight update "
+            raise NotFitting(f"engine {a.engine_name} cancelled the request (a weight update "
                              f"put it to sleep)", held)
         return ids, lps, reason
 

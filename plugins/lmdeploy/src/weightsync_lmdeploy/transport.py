@@ -1,13 +1,13 @@
 """Transport `lmdeploy_ipc`: LMDeploy's own same-host route, `POST /update_weights`, whose body
 carries tensor handles (CUDA IPC; shared-memory names for CPU tensors) rather than bytes. The
 handles are only valid on this host and only LMDeploy reads this body, so the transport is
-same-host and requires the capability "lmdeploy_ipc" that only the `lmdeploy` adapter offers:
-the config validator refuses it with any other adapter, and for remote engines."""
+same-host and requires `LoadsLmdeployPayloads`, which only the `lmdeploy` adapter implements: the
+config validator refuses it with any other adapter, and for remote engines."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,10 +19,19 @@ class LmdeployIpcOptions(BaseModel):
     parallel: int = Field(8, ge=1, description="engines loaded at the same time")
 
 
+@runtime_checkable
+class LoadsLmdeployPayloads(Protocol):
+    """The capability this transport requires: the adapter cuts a payload into LMDeploy
+    `/update_weights` calls and posts them (`LmdeployAdapter` implements it)."""
+
+    def load_payload(self, payload: Payload) -> None:
+        """Load one bucket; returns once LMDeploy answered its last call."""
+
+
 class LmdeployIpcTransport(Transport):
     name = "lmdeploy_ipc"
     Options = LmdeployIpcOptions
-    requires = "lmdeploy_ipc"
+    requires = (LoadsLmdeployPayloads,)
     same_host = True
     receiver = None          # LMDeploy receives by itself
 
@@ -35,13 +44,13 @@ class LmdeployIpcTransport(Transport):
         holds the tensors until LMDeploy answers, so the handles stay valid."""
         if len(engines) == 1:
             try:
-                engines[0].load_payload(payload)  # type: ignore[attr-defined]
+                _loader(engines[0]).load_payload(payload)
                 return {}
             except Exception as e:  # noqa: BLE001 - reported per engine
                 return {engines[0].engine_name: e}
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.options.parallel, thread_name_prefix="ws-lmdeploy")
-        futures = {a.engine_name: self._pool.submit(a.load_payload, payload)  # type: ignore[attr-defined]
+        futures = {a.engine_name: self._pool.submit(lambda a: _loader(a).load_payload(payload), a)
                    for a in engines}
         return {n: err for n, f in futures.items() if (err := f.exception()) is not None}
 
@@ -49,3 +58,10 @@ class LmdeployIpcTransport(Transport):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _loader(a: Adapter) -> LoadsLmdeployPayloads:
+    if not isinstance(a, LoadsLmdeployPayloads):   # the config check refuses such an adapter first
+        raise TypeError(f"adapter {a.name!r} cannot load LMDeploy payloads "
+                        f"(transport 'lmdeploy_ipc' requires LoadsLmdeployPayloads)")
+    return a

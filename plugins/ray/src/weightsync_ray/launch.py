@@ -1,7 +1,7 @@
 """How an engine actor starts its engine: the command for an adapter kind, with the node's address
-and a free port filled in. An adapter that declares `start_command` (the reference engine, vLLM)
-brings its own; any other runs the `command` the user gives (placeholders `{python}`, `{model}`,
-`{host}`, `{port}`, `{name}`)."""
+and a free port filled in. An adapter kind with a launcher (`register_launchers`: the reference
+engine's, vLLM's) brings its own start command; any other runs the `command` the user gives
+(placeholders `{python}`, `{model}`, `{host}`, `{port}`, `{name}`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from weightsync.config import ComponentRef
 from weightsync.errors import ConfigError
 from weightsync.interfaces.sampling import Unsupported
 
+PLACEHOLDERS = "(placeholders {python} {model} {host} {port} {name})"
+
 
 class EngineLaunch(BaseModel):
     """What an engine actor starts and how it registers it (JSON: it travels to the actor)."""
@@ -22,8 +24,8 @@ class EngineLaunch(BaseModel):
     model: str = Field(description="the model directory, as a path on the engine's node")
     adapter: ComponentRef = Field(default_factory=lambda: ComponentRef(kind="reference"),
                                   description="the adapter that drives the engine, and its options")
-    command: list[str] | None = Field(None, description="the start command; None: the adapter's "
-                                                        "adapter's own start command")
+    command: list[str] | None = Field(None, description="the start command; None: the start "
+                                                        "command of the adapter's launcher")
     args: list[str] = Field(default_factory=list, description="appended to the built-in command")
     env: dict[str, str] = Field(default_factory=dict, description="added to the environment")
     api_key: str | None = Field(None, description="the engine's key (given in its environment)")
@@ -38,7 +40,7 @@ class EngineLaunch(BaseModel):
 def command(launch: EngineLaunch, host: str, port: int, name: str, components: Any = None
             ) -> tuple[list[str], dict[str, str]]:
     """The argv and the extra environment that start `launch` listening on host:port: the
-    given `command`, else the adapter's own start command."""
+    given `command`, else the start command of the launcher registered under the adapter's name."""
     env = dict(launch.env)
     if launch.command is not None:
         argv = list(launch.command) + list(launch.args)
@@ -46,14 +48,17 @@ def command(launch: EngineLaunch, host: str, port: int, name: str, components: A
         if components is None:
             from weightsync.plugins import load_components
             components = load_components()
-        cls = components.adapters.get(launch.adapter.kind)
+        kind = launch.adapter.kind
+        if kind not in components.launchers:
+            components.adapters.get(kind)           # an unknown adapter is named as such
+            raise ConfigError(f"adapter {kind!r} has no launcher (no installed plugin registers "
+                              f"one under that name); give the launch a `command` {PLACEHOLDERS}")
         try:
-            argv = cls.start_command(launch.model, host, port, name, launch.adapter.options, env,
-                                     device=launch.device, load_roots=launch.load_roots,
-                                     api_key=launch.api_key) + list(launch.args)
+            argv = components.launchers.get(kind).start_command(
+                launch.model, host, port, name, launch.adapter.options, env, device=launch.device,
+                load_roots=launch.load_roots, api_key=launch.api_key) + list(launch.args)
         except Unsupported as e:
-            raise ConfigError(f"{e} (placeholders {{python}} {{model}} {{host}} {{port}} "
-                              f"{{name}})") from None
+            raise ConfigError(f"{e} {PLACEHOLDERS}") from None
     values = {"{python}": sys.executable, "{model}": launch.model, "{host}": host,
               "{port}": str(port), "{name}": name}
     return [_fill(a, values) for a in argv], env

@@ -1,21 +1,22 @@
 """Adapter `reference`: drives weightsync's reference engine (`weightsync serve`), and any engine
 that mounts the same routes around weightsync's receiver. The engine stages whole rounds (paused
 only for the swap), hashes what it staged (verified), and holds rounds and pauses under leases
-with round ids (`X-Weightsync-Round`)."""
+with round ids (`X-Weightsync-Round`). Every transport message goes to `/weightsync/deliver`,
+where the engine's receiver hands it to the round's transport receiving half (`accepts = None`).
+Rollouts are `weightsync_reference.sampler`, launching `weightsync_reference.launcher`."""
 
 from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.errors import EngineError, WeightSyncError
-from weightsync.net.client import auth_headers, call, json_of, session_for
-from weightsync.interfaces import Adapter, Endpoint, EngineStatus, LocalEngine
-from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
+from weightsync.errors import EngineError
+from weightsync.interfaces import Endpoint, EngineStatus, HttpAdapter, Message
+from weightsync.interfaces.sampling import Unsupported
+from weightsync.net.client import json_of
 
 ROUND_HEADER = "X-Weightsync-Round"
 _OPEN_ROUND = re.compile(r"is open; this begin .* lease expires in ([0-9.]+)s")
@@ -30,10 +31,10 @@ class ReferenceOptions(BaseModel):
                                                             "(beyond the gate's wait)")
 
 
-class ReferenceAdapter(Adapter):
+class ReferenceAdapter(HttpAdapter):
     name = "reference"
     Options = ReferenceOptions
-    capabilities = frozenset({"http", "announce", "group", "disk", "peer", "pull"})
+    accepts = None                       # the engine's receiver parses every transport's messages
     encodings = None
     pause_modes = ("abort", "keep")
     ordered_announces = True
@@ -43,24 +44,18 @@ class ReferenceAdapter(Adapter):
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)
-        self.session = session_for(self.engine)
-        self.headers = auth_headers(self.engine.api_key)
-        self.base = self.engine.url.rstrip("/")
         self.round_id: str | None = None
 
-    def _headers(self) -> dict[str, str]:
-        return {**self.headers, ROUND_HEADER: self.round_id} if self.round_id else dict(self.headers)
+    def _round(self) -> dict[str, str]:
+        return {ROUND_HEADER: self.round_id} if self.round_id else {}
 
     def _post(self, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        resp = call(self.session, self.engine_name, "POST", self.base + path,
-                    timeout=self.bounded(timeout or self.options.timeout),
-                    json=body if body is not None else {}, headers=self._headers())
+        resp = self.request("POST", path, timeout=timeout, headers=self._round(),
+                            json=body if body is not None else {})
         return json_of(resp, self.engine_name)
 
     def health(self) -> EngineStatus:
-        resp = call(self.session, self.engine_name, "GET", self.base + "/health",
-                    timeout=self.bounded(self.options.timeout), headers=self.headers)
-        body = json_of(resp, self.engine_name) or {}
+        body = json_of(self.request("GET", "/health"), self.engine_name) or {}
         return EngineStatus(int(body.get("version", 0)), bool(body.get("paused")), body)
 
     def pause(self, mode: str) -> None:
@@ -115,26 +110,23 @@ class ReferenceAdapter(Adapter):
             self.round_id = None
 
     def payload_endpoint(self) -> Endpoint:
-        return Endpoint(self.base + "/weightsync/payload", self._headers(),
+        return Endpoint(self.base + "/weightsync/payload", {**self.headers, **self._round()},
                         self.bounded(self.options.payload_timeout))
 
     def relay_target(self) -> Endpoint | None:
-        rid = {ROUND_HEADER: self.round_id} if self.round_id else {}
-        return Endpoint(self.base + "/weightsync/relay", rid,
+        return Endpoint(self.base + "/weightsync/relay", self._round(),
                         self.bounded(self.options.payload_timeout))
 
-    def expect(self, body: Mapping[str, Any]) -> None:
-        self._post("/weightsync/expect", dict(body))
-
-    def relay_answer(self, index: int, wait: float) -> Mapping[str, Any]:
-        got = self._post("/weightsync/relayed", {"index": index, "wait": wait}, timeout=wait + 10)
+    def deliver(self, message: Message) -> Mapping[str, Any]:
+        """Any transport's message, in the open round: the engine hands it to the round's
+        transport receiving half (or its own relay desk, for http's relay messages)."""
+        wait = message.wait if message.wait is not None else self.options.payload_timeout
+        got = self._post("/weightsync/deliver", message.wire(), timeout=wait)
         return got if isinstance(got, Mapping) else {}
 
-    def announce(self, header: Mapping[str, Any]) -> None:
-        self._post("/weightsync/announce", dict(header), timeout=self.options.payload_timeout)
-
-    def join_group(self, info: Mapping[str, Any]) -> None:
-        self._post("/weightsync/join", dict(info), timeout=self.options.payload_timeout)
+    def group_size(self) -> int:
+        """One rank: the reference engine runs in one process."""
+        return 1
 
     def load_from_disk(self, path: str, version: int, allow_older: bool = False,
                        signature: Mapping[str, Any] | None = None) -> None:
@@ -154,76 +146,14 @@ class ReferenceAdapter(Adapter):
                           timeout=self.options.payload_timeout) or {}
         return int(body.get("version", 0))
 
-    # -- rollouts and the probe --------------------------------------------------------------
-    sampling = frozenset(SamplingParams.model_fields)
-    scores = True
-    gates = True
-
-    def generate(self, prompt: list[int], params: SamplingParams, gate: Gate) -> list[Sample]:
-        """The engine gates on the server: it waits up to `gate.wait` for a fitting version."""
-        body = {"input_ids": prompt, "sampling": params.model_dump(), "wait": gate.wait,
-                "min_version": gate.min_version, "exact_version": gate.exact_version}
-        resp = call(self.session, self.engine_name, "POST", self.base + "/generate", json=body,
-                    headers=self.headers, ok=(200, 409),
-                    timeout=gate.wait + self.options.generate_timeout)
-        out = json_of(resp, self.engine_name) or {}
-        if resp.status_code == 409:
-            raise NotFitting(f"{self.engine_name}: {out.get('error', out)}", out.get("weight_version"))
-        try:
-            return [Sample(token_ids=s["output_ids"], logprobs=s["logprobs"],
-                           finish_reason=s["finish_reason"], engine=self.engine_name,
-                           version=int(s["weight_version"]), version_end=int(s["weight_version_end"]),
-                           prompt_ids=list(prompt)) for s in out["samples"]]
-        except (KeyError, TypeError, ValueError):
-            raise EngineError(self.engine_name, f"/generate answered without samples: "
-                                                f"{str(out)[:200]}") from None
-
-    def weight_version(self) -> int | None:
-        """None while the engine's probe failed on what it holds (it serves no gated request)."""
-        try:
-            st = self.health()
-        except WeightSyncError:
-            return None
-        bad = st.info.get("distrusted")
-        return None if bad and bad.get("version") == st.version else st.version
-
+    # -- the probe ---------------------------------------------------------------------------
     def score(self, ids: list[int]) -> tuple[list[float], int]:
-        resp = call(self.session, self.engine_name, "POST", self.base + "/score", ok=(200, 409),
-                    json={"input_ids": list(ids)}, headers=self.headers,
-                    timeout=self.bounded(self.options.timeout))
+        resp = self.request("POST", "/score", ok=(200, 409), json={"input_ids": list(ids)})
         out = json_of(resp, self.engine_name) or {}
         if resp.status_code == 409:          # a weights-only engine runs no model
             raise Unsupported(f"{self.engine_name}: {out.get('error', 'cannot score')}")
         return [float(x) for x in out["logprobs"]], int(out["weight_version"])
 
-    def busy_seconds(self) -> float | None:
-        resp = call(self.session, self.engine_name, "GET", self.base + "/info",
-                    timeout=self.options.timeout, headers=self.headers)
-        return float((json_of(resp, self.engine_name) or {}).get("busy_seconds", 0.0))
-
     def distrust(self, version: int, reason: str) -> bool:
         self._post("/weightsync/distrust", {"version": version, "reason": reason})
         return True
-
-    # -- launching ----------------------------------------------------------------------------
-    @classmethod
-    def start_command(cls, model: str, host: str, port: int, name: str,
-                      options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
-        argv = ["{python}", "-m", "weightsync", "serve", "--model", model, "--host", host,
-                "--port", str(port), "--name", name, "--device", str(extra.get("device", "cpu"))]
-        for root in extra.get("load_roots") or []:
-            argv += ["--load-root", root]
-        if extra.get("api_key"):
-            env["WEIGHTSYNC_API_KEY"] = extra["api_key"]
-        return argv
-
-    @classmethod
-    def launch_local(cls, model_dir: Path, workdir: Path, name: str,
-                     extra_args: list[str] | None = None) -> LocalEngine:
-        from weightsync_reference.processes import EngineProcess
-        e = EngineProcess(model_dir, name=name, log=Path(workdir) / f"{name}.log",
-                          extra_args=extra_args or []).start(timeout=120)
-        return LocalEngine(e.spec(), e.stop)
-
-    def close(self) -> None:
-        self.session.close()

@@ -72,6 +72,7 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
 
     components = load_components()
     adapter = components.adapters.get(engine)
+    launcher = components.launchers.get(engine)
     model, opt = _setup(work / "model")
     fleet = engine == "reference"
     key = "demo-fleet-key-0123456789"
@@ -87,7 +88,7 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
         config["fleet"] = {"kind": "registry", "options": {"lease": 2.0, "api_key": key}}
     else:
         print(f"starting {engine} on the demo model ...", flush=True)
-        started["engine"] = adapter.launch_local(work / "model", work, "engine")
+        started["engine"] = launcher.launch_local(work / "model", work, "engine")
         config["engines"] = [started["engine"].spec]
     ok = True
     with WeightSync.from_config(config, components=components) as sync:
@@ -95,7 +96,7 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
             url = sync.fleet_url
             assert url is not None              # a registry fleet's
             args = ["--fleet", url, "--fleet-key", key]
-            started[name] = adapter.launch_local(work / "model", work, name, extra_args=args)
+            started[name] = launcher.launch_local(work / "model", work, name, extra_args=args)
         if fleet:
             for n in ("engine-a", "engine-b"):
                 launch(n)
@@ -109,7 +110,7 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
                           CountingTask(seed=1), SamplingParams(n=GROUP, temperature=1.0,
                                                                max_new_tokens=4, seed=SEED),
                           prompts_per_step=PROMPTS, mode=mode, epochs=EPOCHS,
-                          busy=lambda: _busy(sync))
+                          busy=lambda: _busy(sync, components))
             stats = []
             stop_at = steps // 2
             # the step size decays linearly to 0 over the run: at a constant one the policy
@@ -139,12 +140,13 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
     return 0 if ok else 1
 
 
-def _busy(sync: Any) -> dict[str, float]:
-    """Seconds each engine has spent generating (engines that report it)."""
+def _busy(sync: Any, components: Any) -> dict[str, float]:
+    """Seconds each engine has spent generating (engines whose sampler reports it)."""
+    from weightsync_rl.rollout import sampler_for
     out = {}
     for a in sync.adapters:
         try:
-            b = a.busy_seconds()
+            b = sampler_for(a, components).busy_seconds()
         except Exception:  # noqa: BLE001 - an engine that does not answer is left out
             continue
         if b is not None:

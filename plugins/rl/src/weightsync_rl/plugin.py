@@ -1,10 +1,18 @@
-"""Hook implementations only: the `demo` and `route` commands."""
+"""Hook implementations only: RL's own hook (`register_samplers`), the `demo` and `route`
+commands."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from weightsync import hookimpl
+
+
+@hookimpl
+def add_hookspecs(pluginmanager: Any) -> None:
+    from weightsync_rl import hookspecs
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 @hookimpl

@@ -5,7 +5,9 @@ Routes: pause `/pause_generation` (abort | retract | in_place), resume `/continu
 health `/health` + `GET /model_info` (weight_version), commit `/flush_cache` +
 `/update_weight_version`, disk `/update_weights_from_disk`, colocated `/update_weights_from_tensor`
 (transport `sglang_tensor`), disaggregated `/init_weights_update_group` +
-`/update_weights_from_distributed` + `/destroy_weights_update_group` (core transport `collective`).
+`/update_weights_from_distributed` + `/destroy_weights_update_group` (core transport `collective`,
+whose `JoinGroup`, `Broadcast` and `LeaveGroup` messages `deliver` translates into those routes:
+SGLang does not run weightsync's receiver). Rollouts are `generation.SGLangSampler`.
 
 SGLang stages nothing: it loads every bucket as it arrives, so it is paused before the first
 payload (`staging = False`). It cannot hash what it loaded, so `end()` returns the sender's digest
@@ -28,12 +30,12 @@ from typing import Any, Literal
 import requests
 from pydantic import BaseModel, ConfigDict, Field
 from weightsync.errors import ConfigError, EngineError
-from weightsync.net.client import auth_headers, call, error_text
-from weightsync.interfaces import Adapter, EngineStatus
+from weightsync.net.client import error_text
+from weightsync.interfaces import EngineStatus, HttpAdapter, Message
+from weightsync.transports.collective import Broadcast, JoinGroup, LeaveGroup
 
-from .generation import SGLangRollouts
-from .readback import Sampler, depth, same
-from .versions import to_sglang
+from .readback import ReadbackPicks, depth, same
+from .versions import from_sglang, to_sglang
 
 log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -61,10 +63,10 @@ class SGLangOptions(BaseModel):
     readback_rows: int = Field(2, ge=1, le=100, description="rows (dim 0) read back per sampled tensor")
 
 
-class SGLangAdapter(SGLangRollouts, Adapter):
+class SGLangAdapter(HttpAdapter):
     name = "sglang"
     Options = SGLangOptions
-    capabilities = frozenset({"group", "sglang_tensor", "disk"})
+    accepts = (Broadcast, JoinGroup, LeaveGroup)  # collective's messages, on SGLang's own routes
     encodings = frozenset({"raw", "cast"})   # SGLang loads the tensors it is given, as they are
     pause_modes = ("abort", "retract", "in_place")
     layout = "flat"                          # flattened_bucket: the payload's data section
@@ -73,20 +75,15 @@ class SGLangAdapter(SGLangRollouts, Adapter):
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)
-        self.session = requests.Session()
-        self.headers = auth_headers(self.engine.api_key)
-        self.base = self.engine.url.rstrip("/")
         self._acked: dict[int, str] = {}
         self._lock = threading.Lock()
         self._mode: str | None = None
-        self._sampler = Sampler(self.options.readback_tensors, self.options.readback_rows)
+        self._picks = ReadbackPicks(self.options.readback_tensors, self.options.readback_rows)
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
                  params: Mapping[str, Any] | None = None) -> requests.Response:
-        return call(self.session, self.engine_name, method, self.base + path,
-                    timeout=timeout or self.options.timeout, ok=(200, 400), headers=self.headers,
-                    json=body, params=params)
+        return self.request(method, path, timeout=timeout, ok=(200, 400), json=body, params=params)
 
     def _post(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """POST a weight route; SGLang answers {"success", "message"} (200 or 400). A refusal is
@@ -113,6 +110,25 @@ class SGLangAdapter(SGLangRollouts, Adapter):
         version, info = self.model_info()
         return EngineStatus(version, self._mode is not None, info)
 
+    def model_info(self) -> tuple[int, dict[str, Any]]:
+        """GET /model_info: (weightsync version of its weight_version, the whole answer)."""
+        resp = self._request("GET", "/model_info")
+        try:
+            info = resp.json() if resp.status_code == 200 else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise EngineError(self.engine_name, f"GET /model_info -> HTTP {resp.status_code}: "
+                                                f"{error_text(resp)}")
+        return self.version_of(info.get("weight_version")), info
+
+    def version_of(self, raw: Any) -> int:
+        """The weightsync version of an SGLang weight_version string; anything else is an error."""
+        try:
+            return from_sglang(raw, self.options.version_prefix)
+        except ValueError as e:
+            raise EngineError(self.engine_name, str(e)) from None
+
     def pause(self, mode: str) -> None:
         mode = self.options.pause_mode or mode
         if mode not in self.pause_modes:
@@ -138,11 +154,11 @@ class SGLangAdapter(SGLangRollouts, Adapter):
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
         with self._lock:
             self._acked = {}
-        self._sampler.reset(seed=version)
+        self._picks.reset(seed=version)
 
     def observe(self, payload: Any) -> None:
         if self.options.readback:
-            self._sampler.observe(payload)
+            self._picks.observe(payload)
 
     def confirm(self, version: int) -> bool:
         """Read the sampled tensors back (SGLang's `/get_weights_by_name`, first rows as float32
@@ -151,7 +167,7 @@ class SGLangAdapter(SGLangRollouts, Adapter):
         if not self.options.readback:
             return False
         checked = 0
-        for name, want in self._sampler.samples.items():
+        for name, want in self._picks.samples.items():
             resp = self._request("POST", "/get_weights_by_name",
                                  {"name": name, "truncate_size": self.options.readback_rows})
             if resp.status_code != 200:
@@ -223,12 +239,6 @@ class SGLangAdapter(SGLangRollouts, Adapter):
                 "shapes": [list(t["shape"]) for t in tensors], "group_name": tr["group_name"],
                 "load_format": "flattened_bucket", **self._update_flags()}
 
-    def announce(self, header: Mapping[str, Any]) -> None:
-        """Collective: blocks while the trainer broadcasts this bucket to the group."""
-        self._post("/update_weights_from_distributed", self.distributed_body(header),
-                   timeout=self.options.update_timeout)
-        self._ack(header)
-
     def tensor_body(self, serialized: list[str]) -> dict[str, Any]:
         """UpdateWeightsFromTensorReqInput: one serialized flattened bucket per TP rank."""
         if len(serialized) != self.options.tp_size:
@@ -249,32 +259,45 @@ class SGLangAdapter(SGLangRollouts, Adapter):
                 "abort_all_requests": self.options.abort_all_requests,
                 "weight_version": to_sglang(version, self.options.version_prefix)}
 
-    def load_from_disk(self, path: str, version: int) -> None:
-        """Capability "disk": SGLang reloads every weight from `path` and takes `version` (it
-        reloads the previous path itself if loading fails)."""
+    def load_from_disk(self, path: str, version: int, allow_older: bool = False) -> None:
+        """ReloadsFromDisk: SGLang reloads every weight from `path` and takes `version` (it
+        reloads the previous path itself if loading fails). SGLang keeps no version order, so
+        it loads an older version too (`allow_older` changes nothing); it checks no signature."""
         self._post("/update_weights_from_disk", self.disk_body(path, version),
                    timeout=self.options.update_timeout)
 
-    # -- collective group -------------------------------------------------------------------------
+    # -- collective group (transport `collective`) -------------------------------------------------
     def group_size(self) -> int:
+        """JoinsGroups: every TP rank joins the group."""
         return self.options.tp_size
 
     def join_body(self, info: Mapping[str, Any]) -> dict[str, Any]:
         keys = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
         return {k: info[k] for k in keys}
 
-    def join_group(self, info: Mapping[str, Any]) -> None:
-        """Blocking: every TP rank joins at rank_offset + tp_rank."""
-        self._post("/init_weights_update_group", self.join_body(info),
-                   timeout=self.options.update_timeout)
-
     def leave_body(self, info: Mapping[str, Any]) -> dict[str, Any]:
         """DestroyWeightsUpdateGroupReqInput."""
         return {"group_name": info["group_name"]}
 
-    def leave_group(self, info: Mapping[str, Any]) -> None:
-        if info.get("group_name"):
-            self._post("/destroy_weights_update_group", self.leave_body(info))
+    def deliver(self, message: Message) -> Mapping[str, Any]:
+        """The collective transport's messages on SGLang's own routes; returns SGLang's answer.
+        JoinGroup blocks while every TP rank joins at rank_offset + tp_rank; Broadcast blocks
+        while the trainer broadcasts that bucket to the group, and SGLang's `success: true`
+        acknowledges it (`end`); LeaveGroup destroys the group it names (nothing without one)."""
+        def timeout(default: float | None) -> float | None:
+            return default if message.wait is None else message.wait
+        if isinstance(message, JoinGroup):
+            return self._post("/init_weights_update_group", self.join_body(message.body),
+                              timeout=timeout(self.options.update_timeout))
+        if isinstance(message, LeaveGroup):
+            if not message.body.get("group_name"):
+                return {}
+            return self._post("/destroy_weights_update_group", self.leave_body(message.body),
+                              timeout=timeout(None))
+        if isinstance(message, Broadcast):
+            out = self._post("/update_weights_from_distributed", self.distributed_body(message.body),
+                             timeout=timeout(self.options.update_timeout))
+            self._ack(message.body)
+            return out
+        return super().deliver(message)
 
-    def close(self) -> None:
-        self.session.close()

@@ -1,17 +1,19 @@
 """Rollouts on an SGLang server through its native `POST /generate` (GenerateReqInput): token-id
 prompts, `return_logprob` for the sampled tokens' logprobs (`meta_info.output_token_logprobs`,
 [logprob, token id, text] per token) and `meta_info.weight_version`, the version SGLang holds
-when it answers. Nothing of SGLang is imported."""
+when it answers. Nothing of SGLang is imported. `SGLangSampler` implements RL's sampler interface
+structurally, so this plugin does not depend on weightsync_rl."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import EngineError
-from weightsync.net.client import call, error_text
+from weightsync.net.client import error_text
 from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams, Unsupported
 
-from .versions import from_sglang
+if TYPE_CHECKING:
+    from .adapter import SGLangAdapter
 
 SAMPLING = frozenset(SamplingParams.model_fields)
 DETERMINISTIC = "--enable-deterministic-inference"
@@ -56,94 +58,80 @@ def parse_output(engine: str, out: Any) -> tuple[list[int], list[float], str, An
     return ids, lps, str(reason), meta.get("weight_version")
 
 
-class SGLangRollouts:
-    """The `sglang` adapter's rollout members (mixed into SGLangAdapter)."""
+class SGLangSampler:
+    """Rollouts on the SGLang server an `SGLangAdapter` drives (its session, key and options);
+    registered for adapter `sglang` through RL's hook `register_samplers`. SGLang cannot hold a
+    request until a version arrives, so the client reads the version around it (`gates` False)."""
 
-    session: Any
-    headers: dict[str, str]
-    base: str
-    options: Any
-    engine_name: str
-    _request: Any
-    _seeded: bool | None = None
+    sampling: frozenset[str] = SAMPLING
+    gates: bool = False
 
-    sampling: ClassVar[frozenset[str]] = SAMPLING
+    def __init__(self, adapter: "SGLangAdapter") -> None:
+        self.adapter = adapter
+        self._seeded: bool | None = None
 
     def weight_version(self) -> int | None:
         try:
-            return self.model_info()[0]      # "default" (a fresh engine) is version 0
+            return self.adapter.model_info()[0]      # "default" (a fresh engine) is version 0
         except EngineError:
             return None
 
-    def model_info(self) -> tuple[int, dict[str, Any]]:
-        """GET /model_info: (weightsync version of its weight_version, the whole answer)."""
-        resp = self._request("GET", "/model_info")
-        try:
-            info = resp.json() if resp.status_code == 200 else None
-        except ValueError:
-            info = None
-        if not isinstance(info, dict):
-            raise EngineError(self.engine_name, f"GET /model_info -> HTTP {resp.status_code}: "
-                                                f"{error_text(resp)}")
-        return self._version(info.get("weight_version")), info
-
-    def _version(self, raw: Any) -> int:
-        try:
-            return from_sglang(raw, self.options.version_prefix)
-        except ValueError as e:
-            raise EngineError(self.engine_name, str(e)) from None
+    def busy_seconds(self) -> float | None:
+        """SGLang reports no busy time."""
+        return None
 
     def generate(self, prompt: list[int], params: SamplingParams, gate: Gate) -> list[Sample]:
         """One batched /generate. SGLang cannot hold a request until a version arrives: the
         version is read before (it must fit the gate, else NotFitting at once) and is the
         samples' `version`; `version_end` is the weight_version SGLang reports with its answer
         (a swap during the request, under an in-place pause, shows as a mixed sample)."""
+        a = self.adapter
         if params.seed is not None:
             self._check_seeded()
         held = self.weight_version()
         if not gate.fits(held):
-            raise NotFitting(f"engine {self.engine_name} holds version {held}; the request "
+            raise NotFitting(f"engine {a.engine_name} holds version {held}; the request "
                              f"wants {gate.describe()}", held)
-        resp = call(self.session, self.engine_name, "POST", self.base + "/generate",
-                    timeout=self.options.update_timeout, ok=(200, 400), headers=self.headers,
-                    json=generate_body(prompt, params))
+        resp = a.request("POST", "/generate", timeout=a.options.update_timeout, ok=(200, 400),
+                         push=False, json=generate_body(prompt, params))
         if resp.status_code != 200:
-            raise EngineError(self.engine_name, f"SGLang refused POST /generate: {_message(resp)}")
+            raise EngineError(a.engine_name, f"SGLang refused POST /generate: {_message(resp)}")
         outs = resp.json()
         if not isinstance(outs, list) or len(outs) != params.n:
-            raise EngineError(self.engine_name, f"/generate answered {str(outs)[:200]} for a "
-                                                f"batch of {params.n}")
+            raise EngineError(a.engine_name, f"/generate answered {str(outs)[:200]} for a "
+                                             f"batch of {params.n}")
         samples = []
         after: int | None = None
         for out in outs:
-            ids, lps, reason, raw = parse_output(self.engine_name, out)
+            ids, lps, reason, raw = parse_output(a.engine_name, out)
             if reason == "abort":
-                raise NotFitting(f"engine {self.engine_name} aborted the request (a weight "
+                raise NotFitting(f"engine {a.engine_name} aborted the request (a weight "
                                  f"update paused it with mode abort)", self.weight_version())
             if raw is None:              # an SGLang that does not report it: read it now
                 after = after if after is not None else self.weight_version()
                 end = after
             else:
-                end = self._version(raw)
+                end = a.version_of(raw)
             if end is None:
-                raise NotFitting(f"engine {self.engine_name} did not say which version it held "
+                raise NotFitting(f"engine {a.engine_name} did not say which version it held "
                                  f"after the request", held)
-            samples.append(Sample(ids, lps, reason, self.engine_name, int(held), end, list(prompt)))
+            samples.append(Sample(ids, lps, reason, a.engine_name, int(held), end, list(prompt)))
         return samples
 
     def _check_seeded(self) -> None:
         """SGLang draws with `sampling_seed` only when it runs deterministic inference; any other
         server ignores the seed, so a seeded request is refused there instead of being sampled
         unseeded."""
+        a = self.adapter
         if self._seeded is None:
-            resp = self._request("GET", "/get_server_info")
+            resp = a._request("GET", "/get_server_info")
             try:
                 info = resp.json() if resp.status_code == 200 else {}
             except ValueError:
                 info = {}
             self._seeded = bool(isinstance(info, dict) and info.get("enable_deterministic_inference"))
         if not self._seeded:
-            raise Unsupported(f"engine {self.engine_name}: SGLang applies a seed (sampling_seed) "
+            raise Unsupported(f"engine {a.engine_name}: SGLang applies a seed (sampling_seed) "
                               f"only when started with {DETERMINISTIC}; restart it so, or leave "
                               f"`seed` unset")
 

@@ -16,7 +16,7 @@ from weightsync.interfaces import Payload
 from weightsync.wire.frame import unpack
 
 
-class Sampler:
+class ReadbackPicks:
     """Up to `k` (name, first `rows` rows as float32 lists) from the payloads of one sync."""
 
     def __init__(self, k: int, rows: int, seed: int = 0) -> None:

@@ -5,9 +5,9 @@ Each payload's data section is already SGLang's flattened_bucket (layout.py); it
 a shared tensor (CPU: shared memory by file name; CUDA: a CUDA-IPC handle), pickled in SGLang's
 MultiprocessingSerializer format once per TP rank (pickling.py). Only the handles cross the HTTP
 call; SGLang maps the memory and copies the weights in. The sender keeps the payload alive until
-SGLang answered, which `send` does by being synchronous. Same host only; requires the adapter
-capability "sglang_tensor", which only the `sglang` adapter has, so the config check refuses
-this transport with any other engine.
+SGLang answered, which `send` does by being synchronous. Same host only; requires an adapter
+that can post SGLang's tensor route (`LoadsSGLangTensors`, which only the `sglang` adapter
+implements), so the config check refuses this transport with any other engine.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 from weightsync.interfaces import Adapter, Payload, Transport
 
@@ -23,9 +23,22 @@ from .layout import flat_bucket
 from .pickling import flattened_bucket_object, serialize
 
 
+@runtime_checkable
+class LoadsSGLangTensors(Protocol):
+    """The capability this transport requires: the adapter posts one flattened bucket, shared as
+    tensor handles, to SGLang's `/update_weights_from_tensor` (`SGLangAdapter` implements it)."""
+
+    def group_size(self) -> int:
+        """The server's TP ranks: one serialized entry each."""
+
+    def update_from_tensor(self, serialized: list[str], header: Mapping[str, Any]) -> None:
+        """Post the serialized entries of the payload `header` describes; returns once SGLang
+        loaded them (it acknowledges the bucket for `end`)."""
+
+
 class SGLangTensorTransport(Transport):
     name = "sglang_tensor"
-    requires = "sglang_tensor"
+    requires = (LoadsSGLangTensors,)
     same_host = True
     receiver = None     # SGLang receives by itself
 
@@ -50,13 +63,13 @@ class SGLangTensorTransport(Transport):
         entries: dict[str, list[str]] = {}
         for a in engines:                 # here, on one thread: see serialized_for
             try:
-                entries[a.engine_name] = self.serialized_for(payload, a.group_size())
+                entries[a.engine_name] = self.serialized_for(payload, _loader(a).group_size())
             except Exception as e:  # noqa: BLE001 - reported per engine
                 fails[a.engine_name] = e
         todo = [a for a in engines if a.engine_name in entries]
 
         def post(a: Adapter) -> None:
-            a.update_from_tensor(entries[a.engine_name], payload.header())  # type: ignore[attr-defined]
+            _loader(a).update_from_tensor(entries[a.engine_name], payload.header())
         if len(todo) <= 1:
             for a in todo:
                 try:
@@ -76,3 +89,10 @@ class SGLangTensorTransport(Transport):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _loader(a: Adapter) -> LoadsSGLangTensors:
+    if not isinstance(a, LoadsSGLangTensors):   # the config check refuses such an adapter first
+        raise TypeError(f"adapter {a.name!r} cannot post SGLang tensor payloads "
+                        f"(transport 'sglang_tensor' requires LoadsSGLangTensors)")
+    return a

@@ -2,9 +2,12 @@
 vLLM's native weight-transfer routes. With the server's `weightsync` backend it takes every
 weightsync transport: http (the payload body in binary: /update_weights carries a one-time URL on
 the trainer's own body server and the worker fetches the bytes straight into its staging
-buffers; `bodies: inline` puts them base64 inside the JSON instead), shm (announce), collective
-(the worker joins the trainer's group) and disk (reload a checkpoint directory).
-It can also drive vLLM's own `nccl` / `ipc` backends (`native_*`, bodies from `native.py`)."""
+buffers; `bodies: inline` puts them base64 inside the JSON instead), shm (`Announce`), collective
+(the worker joins the trainer's group), disk (reload a checkpoint directory), and any other
+transport's messages: the backend hands them to the round's transport receiving half, so a
+transport plugin installed in the vLLM server works with no change here (`deliver`).
+It can also drive vLLM's own `nccl` / `ipc` backends (`native_*`, bodies from `native.py`).
+Rollouts are `generation.VllmSampler`; starting servers is `launch.VllmLauncher`."""
 
 from __future__ import annotations
 
@@ -18,14 +21,16 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
-import requests
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from weightsync.errors import EngineError
-from weightsync.net.client import auth_headers, call, json_of
-from weightsync.interfaces import Adapter, Endpoint, EngineStatus
+from weightsync.interfaces import Announce, Endpoint, EngineStatus, HttpAdapter, Message
+from weightsync.net.client import json_of
+from weightsync.transports.collective import JoinGroup, LeaveGroup
+from weightsync.transports.http import FetchPayload
 
-from .generation import TOKEN_ENV, VllmRollouts, parse_version as _parse_version
+from .generation import parse_version as _parse_version, score_on
+from .guard import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 FLAG = "--weight-transfer-config '{\"backend\": \"weightsync\"}'"
@@ -72,10 +77,10 @@ def render_update_weights(header: dict[str, Any], body: torch.Tensor,
     return [head, base64.b64encode(data), b'"}}'], "application/json"
 
 
-class VllmAdapter(VllmRollouts, Adapter):
+class VllmAdapter(HttpAdapter):
     name = "vllm"
     Options = VllmOptions
-    capabilities = frozenset({"http", "announce", "group", "disk"})
+    accepts = None                      # the backend runs weightsync's receiver: any message
     encodings = None                    # the weightsync backend decodes any encoding
     pause_modes = ("abort", "wait", "keep")
     layout = "safetensors"
@@ -85,9 +90,6 @@ class VllmAdapter(VllmRollouts, Adapter):
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)
-        self.session = requests.Session()
-        self.headers = auth_headers(self.engine.api_key)
-        self.base = self.engine.url.rstrip("/")
         self._engine_version: int | None = None
         self._group_size: int | None = self.options.group_size
         self._order = threading.Condition()
@@ -106,9 +108,8 @@ class VllmAdapter(VllmRollouts, Adapter):
                 if isinstance(body.get(key), dict):
                     body = {**body, key: {**body[key], "token": self.token}}
         try:
-            resp = call(self.session, self.engine_name, method, self.base + path,
-                        timeout=self.bounded(timeout or self.options.timeout), params=params,
-                        json=body if method == "POST" else None, headers=self.headers)
+            resp = self.request(method, path, timeout=timeout, params=params,
+                                json=body if method == "POST" else None)
         except EngineError as e:
             raise self._explain(e, path) from None
         return json_of(resp, self.engine_name)
@@ -260,35 +261,63 @@ class VllmAdapter(VllmRollouts, Adapter):
             self._source = (self.round_id, str(url) if url else None)
         return self._source[1]
 
-    def take_fetch(self, header: Mapping[str, Any], fetch: Mapping[str, Any]) -> None:
-        """One payload the workers fetch by reference (fetch relays: from a parent engine or
-        the trainer, checked piece by piece)."""
-        self._post("/update_weights", {"update_info": {"round": self.round_id,
-                                                       "header": dict(header),
-                                                       "fetch": dict(fetch)}},
-                   timeout=self.options.payload_timeout)
-
     def _withdraw(self) -> None:
         if self._bodies is not None:
             for ref in self._published:
                 self._bodies.withdraw(ref)
         self._published = []
 
-    def announce(self, header: Mapping[str, Any]) -> None:
+    def deliver(self, message: Message) -> Mapping[str, Any]:
+        """One transport message, in the open round. The four vLLM routes its own fields for
+        (announce and fetch in update_info, join and leave in init_info) go there; any other kind
+        goes whole in update_info's "message", and the worker hands it to the round's transport
+        receiving half: its answer is read back through `weightsync_state`."""
+        wait = message.wait if message.wait is not None else self.options.payload_timeout
+        if isinstance(message, Announce):
+            self._announce(message.body, wait)
+        elif isinstance(message, JoinGroup):
+            self._init({"join": dict(message.body)}, wait)
+        elif isinstance(message, LeaveGroup):
+            try:                                 # best effort, as the transport expects
+                self._init({"leave": dict(message.body)}, timeout=self.options.timeout)
+            except EngineError as e:
+                log.info("engine %s: leaving group failed: %s", self.engine_name, e.detail)
+        elif isinstance(message, FetchPayload):  # a body fetched by reference (fetch relays)
+            self._post("/update_weights", {"update_info": {
+                "round": self.round_id, "header": dict(message.body["header"]),
+                "fetch": dict(message.body["fetch"])}}, timeout=wait)
+        else:
+            return self._generic(message, wait)
+        return {}
+
+    def _generic(self, message: Message, wait: float) -> Mapping[str, Any]:
+        """A message this adapter has no route for: vLLM's /update_weights answers nothing of
+        its own, so the worker keeps its answer under `reply` for one `weightsync_state` call."""
+        reply = uuid.uuid4().hex[:16]
+        self._post("/update_weights", {"update_info": {"round": self.round_id,
+                                                       "message": message.wire(),
+                                                       "reply": reply}}, timeout=wait)
+        body = self._post("/collective_rpc", {"method": "weightsync_state",
+                                              "kwargs": {"digests": False, "reply": reply}}) or {}
+        ranks = [r for r in (body.get("results") or []) if isinstance(r, dict)]
+        first = min(ranks, key=lambda r: int(r.get("rank", 0)), default={})
+        got = first.get("reply")
+        return got if isinstance(got, Mapping) else {}
+
+    def _announce(self, header: Mapping[str, Any], wait: float) -> None:
         """One out-of-band payload. Announces leave in bucket order, each after the previous one
         returned: a transport keeps two in flight, and two concurrent HTTP requests can reach
         vLLM's engine in either order, while the worker must take the broadcasts in the order
         rank 0 sends them (a swap hands bucket i's bytes to bucket i+1's receive)."""
         index = int(header.get("index", 0))
         with self._order:
-            if not self._order.wait_for(lambda: index <= self._next_index,
-                                        timeout=self.options.payload_timeout):
+            if not self._order.wait_for(lambda: index <= self._next_index, timeout=wait):
                 raise EngineError(self.engine_name, f"bucket {index} was announced, but bucket "
                                   f"{self._next_index} never was; the round is incomplete")
         try:
             self._post("/update_weights", {"update_info": {"header": dict(header),
                                                            "round": self.round_id}},
-                       timeout=self.options.payload_timeout)
+                       timeout=wait)
         finally:
             with self._order:
                 self._next_index = max(self._next_index, index + 1)
@@ -300,14 +329,10 @@ class VllmAdapter(VllmRollouts, Adapter):
             self._group_size = int(body.get("world_size", 1))
         return self._group_size
 
-    def join_group(self, info: Mapping[str, Any]) -> None:
-        self._init({"join": dict(info)})
-
-    def leave_group(self, info: Mapping[str, Any]) -> None:
-        try:
-            self._init({"leave": dict(info)}, timeout=self.options.timeout)
-        except EngineError as e:
-            log.info("engine %s: leaving group failed: %s", self.engine_name, e.detail)
+    def score(self, ids: list[int]) -> tuple[list[float], int]:
+        """The logprob of each token of `ids` after the first (vLLM's `prompt_logprobs`), and the
+        version that computed them: what the probe compares with the trainer's own."""
+        return score_on(self, ids)
 
     def load_from_disk(self, path: str, version: int, allow_older: bool = False,
                        signature: Mapping[str, Any] | None = None) -> None:
@@ -354,7 +379,7 @@ class VllmAdapter(VllmRollouts, Adapter):
                    timeout=self.options.payload_timeout)
 
     def close(self) -> None:
-        self.session.close()
+        super().close()
         if self._bodies is not None:
             self._bodies.close()
             self._bodies = None

@@ -10,21 +10,19 @@ weightsync transport and decodes any weightsync encoding, over vLLM's own four-p
   /update_weights {"update_info": {"header": {...}, "fetch": {"url", "token", "nbytes"}}}   one
       payload; the body fetched in binary from the trainer's body server (http; with "relay"
       in the fetch: from the server above this one in a relay chain or tree, checked piece by
-      piece and offered on to the servers below, `weightsync.transports.http.member_fetch`), or inline as
-      "body_b64" (http, `bodies: inline`), or placed out of band by the transport (shm,
-      collective): then neither
-  /collective_rpc {"method": "weightsync_state"} -> the digests of what was staged
+      piece and offered on to the servers below, `weightsync.transports.http.member_fetch`),
+      or inline as "body_b64" (http, `bodies: inline`), or placed out of band by the transport
+      (shm, collective: an announce): then neither
+  /update_weights {"update_info": {"message": {"kind", "body"}, "reply": id}}   any other
+      transport message: the round's transport receiving half takes it (`StagedRound.deliver`)
+  /collective_rpc {"method": "weightsync_state"} -> the digests of what was staged (with
+      "reply": id, the answer to that message)
   /finish_weight_update {"weight_version": "v"} loads the whole round in one layerwise reload
 
 Every bucket is checked (name and shape against the served checkpoint, dtype, digest) when it
 arrives; the model is only touched at finish, so a bad round leaves the previous version serving.
 
-Rounds and leases, as on weightsync's reference engine: the init_info that opens a round carries
-its id and lease (`"round": {"id": ..., "lease": s}`); every update_info carries the id; another
-id, or a new round while one is live, is refused; `"renew"` extends the lease. When a lease lapses
-(the trainer died) a watchdog thread drops the staged round, then closes vLLM's weight-update
-session and resumes generation through the server's own routes (`"server"` in init_info: the
-URL and auth header the adapter reaches it at), so the engine serves its previous version again.
+Rounds and leases: `leases.RoundLeases`.
 """
 
 from __future__ import annotations
@@ -44,11 +42,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.errors import PayloadError
+from weightsync.errors import PayloadError, PluginError
+from weightsync.transports.collective import JoinGroup, LeaveGroup, _forget_groups
 from weightsync.wire.checkpoint import read_checkpoint
 from weightsync.wire.signing import load_key
 
 from .guard import INSECURE_ENV, TOKEN_ENV, check_root, insecure, load_roots, load_token
+from .leases import RoundLeases
 from .relaying import relay_server
 from .staging import CheckpointIndex, StagedRound, build_encoding, build_receiver
 
@@ -74,12 +74,15 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     header: dict[str, Any] | None = None        # a payload header (weightsync's Payload.header())
     body_b64: str | None = None                 # the body inline (http transport, bodies: inline)
     fetch: dict[str, Any] | None = None         # {"url", "token", "nbytes"}: fetch the body (http)
+    message: dict[str, Any] | None = None       # {"kind", "body"}: any transport's own message
+    reply: str | None = None                    # where the worker keeps that message's answer
     abort: bool = False                         # drop the round; finish then loads nothing
     round: str | None = None                    # the id of the round this call belongs to
     token: str | None = None                    # the backend's token ($WEIGHTSYNC_VLLM_TOKEN)
 
 
-class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
+class WeightSyncTransferEngine(RoundLeases,
+                               WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
     init_info_cls = WeightSyncInitInfo
     update_info_cls = WeightSyncUpdateInfo
     supports_draft_weight_update = False
@@ -95,11 +98,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.next_version: int | None = None
         self.round: StagedRound | None = None
         self.committed: int | None = None
-        self.round_id: str | None = None          # the live round (None: none)
-        self.lease = 10.0
-        self.expires = 0.0                        # time.monotonic() at which the round lapses
-        self.server: dict[str, Any] | None = None
-        self.lapsed = 0
+        self.replies: dict[str, dict[str, Any]] = {}   # message answers, until weightsync_state
         self.lock = threading.RLock()
         self.token = load_token()
         self.hmac_key = load_key()                # $WEIGHTSYNC_HMAC_KEY: payloads must be signed
@@ -157,7 +156,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 raise PayloadError("join before any plan: send init_info.plan first")
             info = dict(init_info.join)
             info["rank_offset"] = int(info["rank_offset"]) + int(self.parallel_config.rank)
-            self.rx.join(info)
+            self.rx.deliver(JoinGroup.kind, info, self.round or _NO_ROUND)
         if init_info.leave is not None:
             self._leave(init_info.leave)
         if init_info.load_from_disk is not None:
@@ -168,7 +167,12 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         enc_key = json.dumps(plan["encoding"], sort_keys=True)
         old = self.plan_keys or ("", "")
         if tr_key != old[0]:
-            rx = build_receiver(plan["transport"], self.components)
+            try:
+                rx = build_receiver(plan["transport"], self.components)
+            except PluginError:     # a transport plugin installed since this worker started
+                from weightsync.plugins import load_components
+                self.components = load_components()
+                rx = build_receiver(plan["transport"], self.components)
             if self.rx is not None:
                 self.rx.close()
             self.rx = rx
@@ -177,17 +181,15 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.plan_keys = (tr_key, enc_key)
 
     def _leave(self, info: dict[str, Any]) -> None:
-        """Leave the trainer's group (best effort, like the reference engine's receivers)."""
-        if self.rx is not None and hasattr(self.rx, "leave"):
-            self.rx.leave(info)
-            return
-        from weightsync.transports import collective
-        forget = getattr(collective, "_forget_groups", None)
-        if forget is not None:
+        """Leave the trainer's group (best effort, like the reference engine's receivers); a
+        round whose transport is no longer the group's forgets every group this worker is in."""
+        if self.rx is not None:
             try:
-                forget()
-            except TypeError:
-                forget(keep=None)
+                self.rx.deliver(LeaveGroup.kind, info, self.round or _NO_ROUND)
+                return
+            except PayloadError:
+                pass
+        _forget_groups()
 
     def _load_from_disk(self, spec: dict[str, Any]) -> None:
         """The reference engine's rules: a newer version only (unless `allow_older`), and with
@@ -207,50 +209,6 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._load(named)
         self.index.live.update(named)                 # the delta base is now that checkpoint
         self.committed = self.next_version
-
-    # -- rounds and leases --------------------------------------------------------------------
-    def _live(self) -> bool:
-        return self.round_id is not None and time.monotonic() <= self.expires
-
-    def _open(self, spec: dict[str, Any]) -> None:
-        rid, lease = str(spec["id"]), float(spec.get("lease") or 10.0)
-        if not 0 < lease <= 3600:
-            raise PayloadError(f"lease {lease:g}s is outside (0, 3600] seconds")
-        if self._live() and rid != self.round_id:
-            raise PayloadError(f"round {self.round_id} is open; round {rid} is refused; the open "
-                               f"round's lease expires in {self.expires - time.monotonic():.1f}s "
-                               f"unless its trainer renews it")
-        self.round_id, self.lease, self.expires = rid, lease, time.monotonic() + lease
-
-    def _check(self, rid: str | None) -> None:
-        if rid != self.round_id or not self._live():
-            live = (f"round {self.round_id} is, and its lease expires in "
-                    f"{self.expires - time.monotonic():.1f}s") if self._live() else "no round is"
-            raise PayloadError(f"round {rid} is not the open round: {live}")
-
-    def _renew(self, spec: dict[str, Any]) -> None:
-        self._check(str(spec.get("id")))
-        self.lease = float(spec.get("lease") or self.lease)
-        self.expires = time.monotonic() + self.lease
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(0.1)
-            with self.lock:
-                lapsed = self.round_id is not None and time.monotonic() > self.expires
-                if not lapsed:
-                    continue
-                log.warning("weightsync round %s: lease lapsed after %.1fs without renewal; "
-                            "dropping what it staged", self.round_id, self.lease)
-                self.round_id = None
-                self.lapsed += 1
-                if self.round is not None:
-                    self.round.aborted = True
-                    self.round.staged.clear()
-                    self._ended(self.round)
-                server = self.server
-            if server:              # close vLLM's update session and resume generation
-                threading.Thread(target=_after_lapse, args=(server,), daemon=True).start()
 
     # -- the round --------------------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -287,22 +245,38 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 self.round_id = None
             return
         self._check(update_info.round)
-        if update_info.header is None:
-            raise PayloadError("update_info needs a payload 'header' (or 'abort': true)")
+        header = update_info.header
+        if header is None and update_info.message is None:
+            raise PayloadError("update_info needs a payload 'header', a 'message' or 'abort': true")
         body = None
         if update_info.body_b64 is not None:
             body = memoryview(base64.b64decode(update_info.body_b64, validate=True))
         try:
-            if update_info.fetch is not None:
-                r.stage_fetched(update_info.header, update_info.fetch, self.relay)
+            if header is None:                 # a transport's own message
+                self._deliver(r, update_info.message or {}, update_info.reply)
+            elif update_info.fetch is not None:
+                r.stage_fetched(header, update_info.fetch, self.relay)
             else:
-                r.stage(update_info.header, body)
+                r.stage(header, body)
         except BaseException:
             self._ended(r)
             self.round = None       # vLLM ends the session on an error; so does the round
             with self.lock:
                 self.round_id = None
             raise
+
+    def _deliver(self, r: StagedRound, message: dict[str, Any], reply: str | None) -> None:
+        """A transport's own message: its receiving half parses it; the answer is kept under
+        `reply` for the adapter's next `weightsync_state` (vLLM's route returns nothing)."""
+        kind, body = message.get("kind"), message.get("body")
+        if not isinstance(kind, str) or not isinstance(body, dict):
+            raise PayloadError(f"update_info.message needs a 'kind' and a 'body' object: {message}")
+        answer = r.deliver(kind, body)
+        if reply is not None:
+            with self.lock:
+                while len(self.replies) >= 64:             # answers nobody asked for
+                    self.replies.pop(next(iter(self.replies)))
+                self.replies[str(reply)] = dict(answer or {})
 
     def digests(self) -> dict[int, str]:
         if self.round is None:
@@ -360,28 +334,29 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.plan_keys = None
 
 
-def _after_lapse(server: dict[str, Any]) -> None:
-    """A lapsed round: end vLLM's weight-update session (its finish loads nothing for a dropped
-    round) and resume generation, as the dead trainer would have."""
-    import requests
-    url, headers = str(server.get("url", "")).rstrip("/"), dict(server.get("headers") or {})
-    for path, body in (("/finish_weight_update", {}), ("/resume", None)):
-        try:
-            requests.post(url + path, json=body, headers=headers, timeout=30)
-        except Exception as e:  # noqa: BLE001 - best effort; logged
-            log.warning("weightsync: %s after a lapsed lease failed: %s", path, e)
+class _NoRound:
+    """What a message outside a round stages into: nothing (a join needs no staging)."""
+
+    def apply(self, header: Any, body: memoryview | None = None) -> str:
+        raise PayloadError("no weightsync round is open; call /start_weight_update first")
 
 
-def _weightsync_state(self: Any, digests: bool = True) -> dict[str, Any]:
+_NO_ROUND = _NoRound()
+
+
+def _weightsync_state(self: Any, digests: bool = True, reply: str | None = None) -> dict[str, Any]:
     """Worker RPC (POST /collective_rpc {"method": "weightsync_state"}): the digests of the open
     round, computed here in the worker from what was staged (`digests` false: only the round's
-    id and lease, for a trainer that finds a round open)."""
+    id and lease, for a trainer that finds a round open); `reply`: also the answer this worker
+    gave the message sent with that reply id."""
     engine = getattr(getattr(self, "worker", self), "weight_transfer_engine", None)
     if not isinstance(engine, WeightSyncTransferEngine):
         raise RuntimeError("this vLLM server does not run the weightsync backend; start it with "  # noqa: TRY004
                            "--weight-transfer-config '{\"backend\": \"weightsync\"}'")
     live = engine._live()
-    return {"digests": {str(k): v for k, v in engine.digests().items()} if digests else None,
+    with engine.lock:
+        answer = engine.replies.pop(str(reply), None) if reply is not None else None
+    return {"reply": answer,"digests": {str(k): v for k, v in engine.digests().items()} if digests else None,
             "committed": engine.committed, "rank": int(engine.parallel_config.rank),
             "round": engine.round_id if live else None, "lapsed": engine.lapsed,
             "relay_url": engine.relay.url if engine.relay is not None else None,

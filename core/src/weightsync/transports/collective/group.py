@@ -14,8 +14,10 @@ from typing import Any, Callable
 
 from weightsync.errors import ConfigError, TransportError
 from weightsync.interfaces import Adapter
+from weightsync.interfaces.capabilities import group_ranks
 from weightsync.transports.collective import pg as pgs
 from weightsync.transports.collective.calls import _Call, _is_timeout, _spawn
+from weightsync.transports.collective.messages import JoinGroup, LeaveGroup
 from weightsync.transports.collective.options import LAYOUTS
 
 log = logging.getLogger("weightsync.transports.collective")
@@ -51,7 +53,7 @@ class GroupLifecycle:
             return
         for a in self._members.values():
             try:
-                a.leave_group(self.infos.get(a.engine_name, {}))
+                a.deliver(LeaveGroup(self.infos.get(a.engine_name, {})))
             except Exception as e:  # noqa: BLE001 - best effort by contract
                 log.debug("engine %s did not leave group: %s", a.engine_name, e)
         g, self.group, self.key = self.group, None, None
@@ -64,7 +66,7 @@ class GroupLifecycle:
         o = self.options
         timeout = self.bounded(o.timeout)          # never past the push's deadline
         name = f"{o.group_name}_{next(_BUILDS)}"   # unique per process: a stale rank cannot join
-        world = 1 + sum(a.group_size() for a in engines)
+        world = 1 + sum(group_ranks(a) for a in engines)
         store = pgs.make_store(o.master_address, o.master_port, world, True, timeout)
         port = store.port
         infos, offset = {}, 1
@@ -72,8 +74,8 @@ class GroupLifecycle:
             infos[a.engine_name] = {"master_address": o.master_address, "master_port": port,
                                     "rank_offset": offset, "world_size": world,
                                     "group_name": name, "backend": self.backend}
-            offset += a.group_size()
-        calls = {a.engine_name: _spawn(a.join_group, infos[a.engine_name]) for a in engines}
+            offset += group_ranks(a)
+        calls = {a.engine_name: _spawn(a.deliver, JoinGroup(infos[a.engine_name])) for a in engines}
         try:
             pg = pgs.new_group(store, name, 0, world, self.backend, timeout)
         except Exception as e:  # noqa: BLE001 - turned into per-engine failures below
@@ -88,7 +90,7 @@ class GroupLifecycle:
         self._seq = 0
         self.infos = infos
         self._members = {a.engine_name: a for a in engines}
-        self.key = tuple((a.engine_name, a.group_size()) for a in engines)
+        self.key = tuple((a.engine_name, group_ranks(a)) for a in engines)
         if fails:   # a member that did not confirm poisons the group: rebuild without it next time
             self.key = None
         return fails
@@ -116,7 +118,7 @@ class GroupLifecycle:
     def _ensure(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
         """The group for exactly `engines`, rebuilt when the set changed. Engines that cannot join
         are dropped and the group is built once more for the others."""
-        key = tuple((a.engine_name, a.group_size()) for a in engines)
+        key = tuple((a.engine_name, group_ranks(a)) for a in engines)
         if self.group is not None and self.key == key:
             return {}
         failures: dict[str, BaseException] = {}

@@ -11,8 +11,9 @@ import torch
 from pydantic import BaseModel
 
 from weightsync.errors import PayloadError, TransportError
-from weightsync.interfaces import TransportReceiver
+from weightsync.interfaces import Stages, TransportReceiver
 from weightsync.transports.collective import pg as pgs
+from weightsync.transports.collective.messages import Broadcast, JoinGroup, LeaveGroup
 _GROUPS: dict[str, tuple[pgs.Group, "_Order"]] = {}
 _GROUPS_LOCK = threading.Lock()
 
@@ -103,6 +104,19 @@ class CollectiveReceiver(TransportReceiver):
     def __init__(self, options: BaseModel) -> None:
         super().__init__(options)
         self._lent: dict[tuple[Any, int], torch.Tensor] = {}
+
+    def deliver(self, kind: str, body: Mapping[str, Any], session: Stages) -> dict[str, Any]:
+        """`collective.join` joins the trainer's group (blocking until every rank is in);
+        `collective.leave` forgets it; a `collective.broadcast` receives one broadcast."""
+        if kind == JoinGroup.kind:
+            self.join(body)
+            return {}
+        if kind == LeaveGroup.kind:
+            _forget_groups()
+            return {}
+        if kind == Broadcast.kind:
+            return {"digest": session.apply(body, None)}
+        return super().deliver(kind, body, session)
 
     def join(self, info: Mapping[str, Any]) -> None:
         try:

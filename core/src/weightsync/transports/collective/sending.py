@@ -13,12 +13,13 @@ import torch
 from pydantic import BaseModel
 
 from weightsync.errors import TransportError
-from weightsync.interfaces import Adapter, Payload, Transport
+from weightsync.interfaces import Adapter, JoinsGroups, Payload, Transport
 from weightsync.transports.collective import pg as pgs
 from weightsync.transports.collective.ahead import AnnounceAhead, _Ahead
 from weightsync.transports.collective.calls import _Call, _spawn
 from weightsync.transports.collective.group import GroupLifecycle
 from weightsync.transports.collective.layout import split_payload
+from weightsync.transports.collective.messages import Broadcast, JoinGroup, LeaveGroup
 from weightsync.transports.collective.options import CollectiveOptions
 from weightsync.transports.collective.receiving import CollectiveReceiver
 
@@ -41,7 +42,8 @@ class _Buffer:
 class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
     name = "collective"
     Options = CollectiveOptions
-    requires = "group"
+    requires = (JoinsGroups,)
+    messages = (Broadcast, JoinGroup, LeaveGroup)
     receiver = CollectiveReceiver
     # Transport's optional hook, filled by the mixin's method (named here for the type checker)
     announce_ahead = AnnounceAhead.announce_ahead
@@ -187,7 +189,7 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
                     fields["tensors"] = specs
                 header = payload.header(**fields)
                 wake = threading.Event()
-                calls = {a.engine_name: _spawn(a.announce, header, wake=wake) for a in engines}
+                calls = {a.engine_name: _spawn(a.deliver, Broadcast(header), wake=wake) for a in engines}
             try:
                 self._broadcast(self._device(tensor), calls, payload.body, wake)
             except Exception as e:  # noqa: BLE001 - find who broke it, rebuild, send again

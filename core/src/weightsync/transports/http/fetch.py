@@ -4,7 +4,7 @@ backend) instead of taking them in the request.
 
 Per bucket the trainer plans the same tree as for pushing members (`relay.tree`: one root, each
 member feeds `degree` others), publishes the body on its own body server once for the root, and
-hands every member (over that member's own authenticated channel, `Adapter.take_fetch`) where to
+hands every member (over that member's own authenticated channel, a `FetchPayload` message) where to
 fetch it: the root from the trainer, every other member from its parent's body server under an
 id and token the trainer chose for this bucket; with it the digest of every piece, which the
 member checks before it keeps or passes on a piece, and a fallback reference to the trainer's
@@ -24,7 +24,9 @@ from typing import Any
 
 from weightsync.net.bodyserver import REASON_HEADER, BodyServer
 from weightsync.errors import TransportError
-from weightsync.interfaces import Adapter, Payload
+from weightsync.interfaces import Adapter, Payload, RelaysFetches
+from weightsync.interfaces.capabilities import group_ranks
+from weightsync.transports.http.messages import FetchPayload
 from weightsync.transports.http.pieces import piece_digests
 from weightsync.transports.http.relay import tree
 
@@ -71,7 +73,7 @@ class FetchRelays:
         sources: dict[str, str] = {}
         for a in members:                # where each member offers what it fetched
             try:
-                offered = a.relay_source()
+                offered = a.relay_source() if isinstance(a, RelaysFetches) else None
             except Exception as e:  # noqa: BLE001 - that member's own fetch reports it
                 log.info("engine %s: no relay source: %s", a.engine_name, e)
                 offered = None
@@ -102,19 +104,19 @@ class FetchRelays:
                 self.trainer_fetches += 1
 
         serve = {n: {"id": secrets.token_hex(8), "token": secrets.token_urlsafe(16),
-                     "fetches": sum(by[c].group_size() for c in kids[n])}
+                     "fetches": sum(group_ranks(by[c]) for c in kids[n])}
                  for n in names if kids[n]}
         specs: dict[str, dict[str, Any]] = {}
         for n in names:
             if n == names[0]:
-                src = self.bodies.publish(view, fetches=by[n].group_size(), on_fetch=counted)
+                src = self.bodies.publish(view, fetches=group_ranks(by[n]), on_fetch=counted)
                 refs.append(src)
                 fallback = None
             else:
                 p = serve[parent[n]]
                 src = {"url": f"{sources[parent[n]]}?id={p['id']}", "token": p["token"],
                        "nbytes": len(view)}
-                fallback = self.bodies.publish(view, fetches=by[n].group_size(),
+                fallback = self.bodies.publish(view, fetches=group_ranks(by[n]),
                                                on_fetch=fallback_of(n))
                 refs.append(fallback)
             # deeper members wait longer, so the one under a stalled relay recovers (from the
@@ -124,12 +126,12 @@ class FetchRelays:
                 "stall": self.stall * (1 + 0.5 * depth[n]), "serve": serve.get(n),
                 "fallback": fallback}}
         header = payload.header()
-        futures = {n: self.pool.submit(by[n].take_fetch, header, specs[n]) for n in names}
+        futures = {n: self.pool.submit(by[n].deliver, FetchPayload({"header": header, "fetch": specs[n]})) for n in names}
         for n, a in by.items():
             if n not in sources:             # no source: it takes its own copy from the trainer
-                ref = self.bodies.publish(view, fetches=a.group_size(), on_fetch=counted)
+                ref = self.bodies.publish(view, fetches=group_ranks(a), on_fetch=counted)
                 refs.append(ref)
-                futures[n] = self.pool.submit(a.take_fetch, header, ref)
+                futures[n] = self.pool.submit(a.deliver, FetchPayload({"header": header, "fetch": ref}))
         try:
             for n, f in futures.items():
                 try:

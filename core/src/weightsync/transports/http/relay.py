@@ -23,7 +23,8 @@ import requests
 
 from weightsync.errors import TransportError
 from weightsync.net.client import Parts
-from weightsync.interfaces import Adapter, Endpoint, Payload
+from weightsync.interfaces import Adapter, Endpoint, Payload, RelaysPayloads
+from weightsync.transports.http.messages import ExpectRelay, RelayOutcome
 from weightsync.transports.http.pieces import checked, piece_digests
 from weightsync.transports.http.member_relay import RELAY_HEADER
 from weightsync.wire.frame import frame
@@ -48,9 +49,14 @@ def _below(kids: dict[str, list[str]], name: str) -> list[str]:
     return out
 
 
+def relay_target(a: Adapter) -> Endpoint | None:
+    """Where a parent member posts `a`'s frames; None: `a` takes payloads from the trainer only."""
+    return a.relay_target() if isinstance(a, RelaysPayloads) else None
+
+
 def _target(a: Adapter) -> Endpoint:
     """A relayed member's endpoint (`send` relays only members that have one)."""
-    t = a.relay_target()
+    t = relay_target(a)
     assert t is not None
     return t
 
@@ -91,14 +97,14 @@ class Relays:
         targets = {n: _target(by[n]) for n in names}
 
         def one(n: str) -> None:
-            by[n].expect({
+            by[n].deliver(ExpectRelay({
                 "index": payload.index, "header": header, "pieces": pieces,
                 "piece_bytes": self.piece_bytes, "name": n, "token": self._secret(self.tokens, n),
                 "parent": parent.get(n, "the trainer"),
                 "ack_key": self._secret(self.keys, n), "stall": self.stall, "left": left(),
                 "children": [{"name": c, "url": targets[c].url, "headers": targets[c].headers,
                               "token": self._secret(self.tokens, c), "verify": by[c].engine.verify}
-                             for c in kids[n]]})
+                             for c in kids[n]]}))
         futures = {n: self.pool.submit(one, n) for n in names}
         fails: dict[str, BaseException] = {}
         for n, f in futures.items():
@@ -191,7 +197,7 @@ class Relays:
                    ) -> str | None:
         """The one copy that leaves the trainer. A root that answered (even with a refusal)
         tells the trainer itself what it lacks; one that could not be reached: why."""
-        t = root.relay_target()
+        t = relay_target(root)
         try:
             assert t is not None                # `send` relays only members that have one
             headers = {**t.headers, RELAY_HEADER: self._secret(self.tokens, root.engine_name),
@@ -209,7 +215,9 @@ class Relays:
     def _answer(self, member: Adapter, index: int, left: Callable[[], float]) -> Mapping[str, Any]:
         """The member's own outcome, asked over its own channel (a relay cannot hide it); the
         wait leaves time for a direct send."""
-        return member.relay_answer(index, max(0.05, left() - self.reserve(left())))
+        wait = max(0.05, left() - self.reserve(left()))
+        got = member.deliver(RelayOutcome({"index": index, "wait": wait}, wait=wait + 10))
+        return got if isinstance(got, Mapping) else {}
 
     @staticmethod
     def reserve(left: float) -> float:

@@ -22,10 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.errors import EngineUnreachable, PayloadError, TransportError
 from weightsync.net.client import Parts, call, session_for
-from weightsync.interfaces import Adapter, Payload, Transport, TransportReceiver
+from weightsync.interfaces import (Adapter, Payload, RelaysFetches, ServesPayloads, Transport,
+                                   TransportReceiver)
 from weightsync.wire.frame import frame
 from weightsync.transports.http.fetch import FetchRelays
-from weightsync.transports.http.relay import Relays, tree
+from weightsync.transports.http.relay import Relays, relay_target, tree
 
 
 class HttpOptions(BaseModel):
@@ -87,7 +88,7 @@ class _Buffer:
 class HttpTransport(Transport):
     name = "http"
     Options = HttpOptions
-    requires = "http"
+    requires = (ServesPayloads,)
     receiver = HttpReceiver
 
     def __init__(self, options: BaseModel | None = None) -> None:
@@ -168,6 +169,8 @@ class HttpTransport(Transport):
             return self._sessions[key]
 
     def _post(self, adapter: Adapter, payload: Payload, body: torch.Tensor, lane: int) -> None:
+        if not isinstance(adapter, ServesPayloads):
+            raise TransportError(f"adapter {adapter.name!r} has no HTTP payload endpoint")
         ep = adapter.payload_endpoint()
         header = payload.header()
         if ep.render is not None:
@@ -232,7 +235,7 @@ class HttpTransport(Transport):
                                             thread_name_prefix="ws-http")
         self._seq += 1
         lane = self._seq % 2
-        relayed = [a for a in engines if a.relay_target() is not None] if self._relays else []
+        relayed = [a for a in engines if relay_target(a) is not None] if self._relays else []
         if len(relayed) < 2:
             relayed = []
         pulled = [a for a in engines if a not in relayed and _fetches(a)] if self._fetches else []
@@ -261,7 +264,7 @@ class HttpTransport(Transport):
         """The tree `send` would build over `engines` (star: None)."""
         if self._relays is None:
             return None
-        names = [a.engine_name for a in engines if a.relay_target() is not None]
+        names = [a.engine_name for a in engines if relay_target(a) is not None]
         return tree(names, self._relays.degree) if len(names) >= 2 else {}
 
     def close(self) -> None:
@@ -281,6 +284,6 @@ class HttpTransport(Transport):
 def _fetches(a: Adapter) -> bool:
     """Whether the engine can take part in fetch relays (one that cannot be asked takes star)."""
     try:
-        return a.relay_source() is not None
+        return isinstance(a, RelaysFetches) and a.relay_source() is not None
     except Exception:  # noqa: BLE001 - its own send reports why
         return False

@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.errors import TransportError
-from weightsync.interfaces import Adapter, Payload, Transport
+from weightsync.interfaces import Adapter, Announce, Payload, Transport
 from weightsync.transports.shm.receiving import ShmReceiver
 from weightsync.transports.shm.segments import (GEN_BYTES, PREFIX, Segment, create_cpu_segment)
 
@@ -48,7 +48,7 @@ class _Read:
 class ShmTransport(Transport):
     name = "shm"
     Options = ShmOptions
-    requires = "announce"
+    messages = (Announce,)
     same_host = True
     receiver = ShmReceiver
 
@@ -123,7 +123,7 @@ class ShmTransport(Transport):
 
     def _announce(self, seg: Segment, adapter: Adapter, header: dict[str, Any]) -> None:
         try:
-            adapter.announce(header)
+            adapter.deliver(Announce(header))
         except BaseException as e:  # noqa: BLE001 - reported by send/finish for this engine
             with self.lock:
                 self.errors.setdefault(adapter.engine_name, e)

@@ -24,13 +24,14 @@ checked before bodies, bodies capped per route, connections capped and timed out
                                     -> {"round": id, "version": v, "lease": s}; 409 while a round is open
   POST /weightsync/renew            {"lease": s}: extends the open round's lease (and a leased pause)
   POST /weightsync/payload          frame: u64 header length, JSON header, body (http transport)
-  POST /weightsync/expect            relay shapes: a bucket's header, piece digests, children
   POST /weightsync/relay            (X-Weightsync-Relay: token, no API key) a frame forwarded
                                     by a parent member (weightsync.transports.http.member_relay)
-  POST /weightsync/relayed          {index, wait}: this member's signed outcome for a relayed
-                                    bucket, once it has one (a long poll; a stall answers too)
-  POST /weightsync/announce         JSON header of a body placed out of band (shm, collective)
-  POST /weightsync/join             group info (collective); returns once joined
+  POST /weightsync/deliver          {"kind", "body"}: one transport message (`Adapter.deliver`):
+                                    "announce" (a body placed out of band: shm, collective),
+                                    "collective.join", "http.expect" / "http.relayed" (relay
+                                    shapes: a bucket to expect; this member's signed outcome, a
+                                    long poll), and any other kind to the round's transport
+                                    receiving half (a transport plugin's own messages)
   POST /weightsync/end              -> {"digests": {index: digest}}
   POST /weightsync/commit           {"version": v}
   POST /weightsync/abort
@@ -193,12 +194,6 @@ def _payload(h: Any, q: dict) -> Any:
     return {"digest": h.engine.apply_stream(_rid(h), header, read_into, nbytes)}
 
 
-@routes.add("POST", "/weightsync/expect", max_body=JSON_CAP)
-def _expect(h: Any, q: dict) -> Any:
-    h.engine.expect(_rid(h), h.json_body())
-    return {"status": "expected"}
-
-
 @routes.add("POST", "/weightsync/relay", auth=False, max_body=lambda: 0)   # replaced per engine
 def _relay(h: Any, q: dict) -> Any:
     from weightsync.transports.http.member_relay import RELAY_HEADER, Tampered
@@ -216,21 +211,15 @@ def _relay(h: Any, q: dict) -> Any:
         raise HttpError(422, str(e)) from None
 
 
-@routes.add("POST", "/weightsync/relayed", max_body=JSON_CAP)
-def _relayed(h: Any, q: dict) -> Any:
+@routes.add("POST", "/weightsync/deliver", max_body=JSON_CAP)
+def _deliver(h: Any, q: dict) -> Any:
     body = h.json_body()
-    return h.engine.relay_answer(_rid(h), body.get("index"), float(body.get("wait", 30.0)))
-
-
-@routes.add("POST", "/weightsync/announce", max_body=JSON_CAP)
-def _announce(h: Any, q: dict) -> Any:
-    return {"digest": h.engine.apply(_rid(h), h.json_body(), None)}
-
-
-@routes.add("POST", "/weightsync/join")
-def _join(h: Any, q: dict) -> Any:
-    h.engine.join(_rid(h), h.json_body())
-    return {"status": "joined"}
+    kind, inner = body.get("kind") if isinstance(body, dict) else None, None
+    if isinstance(body, dict):
+        inner = body.get("body", {})
+    if not isinstance(kind, str) or not kind or not isinstance(inner, dict):
+        raise HttpError(400, 'a message is {"kind": "<transport>.<verb>", "body": {...}}')
+    return h.engine.deliver(_rid(h), kind, inner)
 
 
 @routes.add("POST", "/weightsync/end")

@@ -21,13 +21,15 @@ import torch
 from weightsync.wire.bucket import dtype_name
 from weightsync.errors import PayloadError
 from weightsync.fleets.peer import Shares, pull
+from weightsync.interfaces import Announce
 from weightsync.receive import ReceiveSession, check_tensor
 from weightsync.wire.checkpoint import read_checkpoint
 from weightsync.transports.http.member_relay import Desk, relay
+from weightsync.transports.http import ExpectRelay, RelayOutcome
 from weightsync.wire.signing import check_checkpoint
 from weightsync_reference.server.generation import Conflict, Generation
 from weightsync_reference.server.model import LoadedModel
-from weightsync_reference.server.sampler import Sampler
+from weightsync_reference.server.sampler import BatchingSampler
 
 log = logging.getLogger("weightsync_reference.server")
 DEFAULT_LEASE = 10.0
@@ -79,9 +81,9 @@ class ReferenceEngine(Generation):
         # buckets that came through a relay; "streamed": of those, staged as they arrived
         self.relayed = {"received": 0, "forwarded": 0, "streamed": 0}
         self.distrusted: dict[str, Any] | None = None   # set when the trainer's probe failed
-        self.sampler: Sampler | None = None
+        self.sampler: BatchingSampler | None = None
         if model.module is not None:
-            self.sampler = Sampler(model.module, self._step_gate([0]), self._forward)
+            self.sampler = BatchingSampler(model.module, self._step_gate([0]), self._forward)
         self._stop = threading.Event()
         if watchdog:
             threading.Thread(target=self._watch, name="ws-lease-watchdog", daemon=True).start()
@@ -149,8 +151,19 @@ class ReferenceEngine(Generation):
                 out["pause"] = {"mode": self.paused, "expires_in": seconds}
         return out
 
-    def join(self, rid: str | None, info: Mapping[str, Any]) -> None:
-        self._current(rid).session.join(info)
+    def deliver(self, rid: str | None, kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One transport message of the open round. The http relay's two are this engine's own
+        (its relay desk); an announce first makes a relay of the same bucket give way; every
+        other kind goes to the round's transport receiving half (`ReceiveSession.deliver`)."""
+        if kind == ExpectRelay.kind:
+            self.expect(rid, body)
+            return {"status": "expected"}
+        if kind == RelayOutcome.kind:
+            return self.relay_answer(rid, body.get("index"), float(body.get("wait", 30.0)))
+        r = self._current(rid)
+        if kind == Announce.kind:
+            r.desk.supersede(body.get("index"))
+        return r.session.deliver(kind, body)
 
     def apply(self, rid: str | None, header: Mapping[str, Any], body: memoryview | None) -> str:
         r = self._current(rid)

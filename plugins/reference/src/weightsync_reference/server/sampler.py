@@ -78,7 +78,7 @@ def pick(logits: torch.Tensor, row: Row) -> tuple[int, float]:
     return tok, float(lp[tok])
 
 
-class Sampler:
+class BatchingSampler:
     """The engine's generation worker. `step_gate` is called before every forward pass: it
     blocks while the engine is paused ("keep") and raises Aborted for "abort"; `locked_forward`
     runs one forward pass under the engine's model lock and returns (outputs, version)."""

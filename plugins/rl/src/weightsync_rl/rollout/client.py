@@ -1,6 +1,6 @@
 """The rollout client: prompts in, Samples out, from whichever members of the fleet hold a version
-the gate admits. Each engine is driven by its own adapter (`Adapter.generate`), so the request
-and the answer look the same for every engine; a sampling parameter an engine cannot honour is
+the gate admits. Each engine is driven by the sampler its plugin registers for its adapter
+(`weightsync_rl.rollout.Sampler`), so the request and the answer look the same for every engine; a sampling parameter an engine cannot honour is
 refused before anything is sent.
 
     client = RolloutClient(engines=[{"url": "http://e1:8100"},
@@ -26,6 +26,7 @@ from weightsync.errors import EngineError, WeightSyncError
 from weightsync.interfaces import Adapter, Fleet, Member
 from weightsync.interfaces.sampling import (Gate, NotFitting, Sample, SamplingParams, StaleEngines,
                                             Unsupported)
+from weightsync_rl.rollout.sampler import Sampler, sampler_for
 
 MembersSource = Callable[[], list[Member]]
 
@@ -38,6 +39,7 @@ class _Slot:
     adapter: Adapter
     key: str
     version: int | None = None
+    sampler: Sampler | None = None      # None: no installed plugin generates on this engine
     outstanding: int = 0
     down_until: float = 0.0
     last_error: str | None = None
@@ -106,7 +108,12 @@ class RolloutClient:
                     continue
                 if old is not None:
                     old.adapter.close()
-                seen[m.name] = _Slot(m.name, self._adapter(m)[1], key, m.version)
+                adapter = self._adapter(m)[1]
+                try:
+                    sampler: Sampler | None = sampler_for(adapter, self.components)
+                except Unsupported:
+                    sampler = None
+                seen[m.name] = _Slot(m.name, adapter, key, m.version, sampler)
             for name, old in self._slots.items():
                 if name not in seen:
                     old.adapter.close()
@@ -157,7 +164,7 @@ class RolloutClient:
         if not slots:
             return None
         fitting = [s for s in slots if s.version is None or gate.fits(s.version)
-                   or s.adapter.gates]
+                   or (s.sampler is not None and s.sampler.gates)]
         pool = fitting or slots
         with self._lock:
             best = min(pool, key=lambda s: (s.outstanding, s.served))
@@ -180,12 +187,17 @@ class RolloutClient:
                 time.sleep(0.05)
                 continue
             try:
-                missing = p.asked() - slot.adapter.sampling
+                sampler = slot.sampler
+                if sampler is None:
+                    raise Unsupported(f"{slot.name} ({slot.adapter.name}) cannot generate: no "
+                                      f"installed plugin registers a sampler for adapter "
+                                      f"{slot.adapter.name!r}")
+                missing = p.asked() - sampler.sampling
                 if missing:
                     raise Unsupported(f"{slot.name} ({slot.adapter.name}) cannot honour "
-                                      f"{sorted(missing)}; it honours {sorted(slot.adapter.sampling)}")
+                                      f"{sorted(missing)}; it honours {sorted(sampler.sampling)}")
                 left = max(0.0, deadline - time.monotonic())
-                out = slot.adapter.generate(ids, p, gate.model_copy(update={"wait": left}))
+                out = sampler.generate(ids, p, gate.model_copy(update={"wait": left}))
             except NotFitting as e:
                 slot.version = e.held        # a fitting version refused says why (its probe)
                 slot.last_error = str(e)[:300] if gate.fits(e.held) else None

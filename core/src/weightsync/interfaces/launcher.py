@@ -1,0 +1,45 @@
+"""Launchers: how an engine kind is started, apart from how it is driven (the Adapter). Ray's
+engine actors ask for an argv (`start_command`); the RL demo starts engines on this machine
+(`launch_local`). Engine plugins register one per adapter name (`register_launchers`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from weightsync.interfaces.sampling import Unsupported
+
+__all__ = ["Launcher", "LocalEngine"]
+
+
+@dataclass
+class LocalEngine:
+    """An engine `Launcher.launch_local` started: its config entry (url, api_key, name, adapter)
+    and how to stop it."""
+
+    spec: dict[str, Any]
+    stop: Callable[[], None]
+
+
+class Launcher:
+    """Starts engines of one kind. `name` is the adapter's name: the launcher of "vllm" starts
+    the engines the `vllm` adapter drives."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def start_command(cls, model: str, host: str, port: int, name: str,
+                      options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
+        """The argv that starts this engine on `model` listening on host:port (Ray's engine
+        actors). May add to `env` and `options` (a token the adapter must send). "{python}" in
+        the argv stands for the node's interpreter; `extra` holds the launch's other fields
+        (device, load_roots, api_key) for the engines that read them."""
+        raise Unsupported(f"launcher {cls.name!r} has no start command; give the launch a `command`")
+
+    @classmethod
+    def launch_local(cls, model_dir: Path, workdir: Path, name: str,
+                     extra_args: list[str] | None = None) -> LocalEngine:
+        """Start one engine on this machine serving `model_dir` (a Hugging Face model
+        directory); logs go under `workdir`; `extra_args` go to its command line."""
+        raise Unsupported(f"launcher {cls.name!r} cannot start an engine on this machine")

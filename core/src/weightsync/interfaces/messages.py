@@ -1,0 +1,37 @@
+"""Messages: what a transport's sending half tells the engine side, delivered through the one
+adapter member `Adapter.deliver` (as vLLM's weight-transfer API carries per-backend `init_info`
+and `update_info`). The sending half builds them; the receiving half of the same transport parses
+them inside the engine (`TransportReceiver.deliver`). A transport that needs a new engine-side
+verb defines a new Message subclass next to its halves: `Adapter` and the engine plugins whose
+engine runs weightsync's receiver stay as they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+__all__ = ["Announce", "Message"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message to one engine. `kind` names it on the wire ("<transport>.<verb>"); `body` is
+    JSON; `wait` is how many seconds the engine may take to answer (None: the adapter's payload
+    timeout). What `deliver` returns is the engine's JSON answer ({} when it has none)."""
+
+    kind: ClassVar[str] = ""
+    body: Mapping[str, Any] = field(default_factory=dict)
+    wait: float | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The message as JSON: {"kind": ..., "body": {...}}."""
+        return {"kind": self.kind, "body": dict(self.body)}
+
+
+class Announce(Message):
+    """A payload whose body travels out of band (shared memory, a broadcast, a file): `body` is
+    its header. The engine stages it and answers {"digest": ...} once it holds the bytes.
+    Announces of one round carry `index` (and `seq`, where the order matters), and an engine
+    takes them in that order."""
+
+    kind = "announce"
