@@ -73,3 +73,36 @@ def test_frame_round_trip():
     parts = frame({"index": 3}, body)
     header, got = unframe(b"".join(bytes(p) for p in parts))
     assert header == {"index": 3} and bytes(got) == bytes(range(10))
+
+
+def test_read_file_header_is_safetensors_own_reading_and_refuses_a_bad_header(tmp_path) -> None:
+    """The one parser of safetensors file headers agrees with the safetensors library on a real
+    file, and a header length past the file or a header that is not a JSON object is refused
+    with a sentence, not an exception from struct or json."""
+    import struct
+
+    import pytest
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from weightsync.errors import PayloadError
+    from weightsync.wire.frame import read_file_header
+
+    good = tmp_path / "good.safetensors"
+    save_file({"a": torch.arange(6, dtype=torch.int16).reshape(2, 3), "b": torch.ones(4)}, good,
+              metadata={"format": "pt"})
+    start, header, meta = read_file_header(good)
+    assert meta == {"format": "pt"} and set(header) == {"a", "b"}
+    with safe_open(good, "pt") as f:
+        for name in header:
+            a, b = header[name]["data_offsets"]
+            raw = good.read_bytes()[start + a: start + b]
+            assert raw == f.get_tensor(name).numpy().tobytes()
+    long = tmp_path / "long.safetensors"
+    long.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(PayloadError, match="does not fit"):
+        read_file_header(long)
+    listed = tmp_path / "list.safetensors"
+    listed.write_bytes(struct.pack("<Q", 2) + b"[]")
+    with pytest.raises(PayloadError, match="not a JSON object"):
+        read_file_header(listed)

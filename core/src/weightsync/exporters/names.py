@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from weightsync.wire.frame import read_file_header
 
 
 class NameMismatchError(ValueError):
@@ -40,10 +41,7 @@ def _index_names(path: Path) -> list[str]:
 
 
 def _header_names(path: Path) -> list[str]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return [k for k in header if k != "__metadata__"]
+    return list(read_file_header(path)[1])
 
 
 def _prefix_fix(extra: Sequence[str], missing: Sequence[str]) -> tuple[str, str] | None:

@@ -3,7 +3,7 @@ messages a transport delivers through an adapter; the capabilities an adapter ma
 component is a class with a `name` (what users type in config) and a pydantic `Options` model;
 the orchestrator builds it from config and calls it directly. One module per kind of job."""
 
-from weightsync.interfaces.adapter import Adapter, EngineStatus, HttpAdapter
+from weightsync.interfaces.adapter import AckedRound, Adapter, EngineStatus, HttpAdapter
 from weightsync.interfaces.base import Alloc, Bounded, Component, NameMap, NoOptions, Payload
 from weightsync.interfaces.capabilities import (Distrusts, JoinsGroups, PullsFromPeers,
                                                 RelaysFetches, RelaysPayloads, ReloadsFromDisk,
@@ -14,7 +14,7 @@ from weightsync.interfaces.messages import Announce, Message
 from weightsync.interfaces.streams import (Encoding, Endpoint, Exporter, Render, Stages, Transport,
                                            TransportReceiver)
 
-__all__ = ["Adapter", "Alloc", "Announce", "Bounded", "Component", "Distrusts", "Encoding",
+__all__ = ["AckedRound", "Adapter", "Alloc", "Announce", "Bounded", "Component", "Distrusts", "Encoding",
            "EngineStatus", "Endpoint", "Exporter", "Fleet", "HttpAdapter", "JoinsGroups", "Launcher",
            "LocalEngine", "Member", "Message", "NameMap", "NoOptions", "Payload", "PeerSource",
            "PullsFromPeers", "RelaysFetches", "RelaysPayloads", "ReloadsFromDisk", "Render",

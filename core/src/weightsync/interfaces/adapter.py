@@ -6,6 +6,7 @@ rollouts and launching are other interfaces (a sampler the RL application define
 from __future__ import annotations
 
 import abc
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
 
@@ -155,3 +156,30 @@ class HttpAdapter(Adapter):
 
     def close(self) -> None:
         self.session.close()
+
+
+class AckedRound:
+    """The round of an engine that cannot hash what it loaded (`verification = "ack"`: SGLang's
+    and LMDeploy's own routes): the sender's digest of each bucket the engine acknowledged in
+    full. `end` returns them, so a bucket it refused or never answered is missing and the
+    pipeline fails the engine; thread-safe, because broadcasts are acknowledged on their own
+    threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._digests: dict[int, str] = {}
+
+    def ack(self, index: int, digest: str) -> None:
+        with self._lock:
+            self._digests[int(index)] = str(digest)
+
+    def digests(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._digests)
+
+    def reset(self) -> int:
+        """Forget the round; returns how many buckets the engine had loaded (after an abort:
+        it holds a mix of versions until a whole push lands)."""
+        with self._lock:
+            n, self._digests = len(self._digests), {}
+        return n

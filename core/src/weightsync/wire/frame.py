@@ -5,7 +5,9 @@ HTTP frames wrap a JSON payload header around that body."""
 from __future__ import annotations
 
 import json
+import os
 import struct
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -14,7 +16,8 @@ from weightsync.wire.bucket import dtype_from_name, dtype_name
 from weightsync.errors import PayloadError
 
 __all__ = ["SAFETENSORS_DTYPES", "frame", "header_entries", "header_length", "pack", "pack_digest",
-           "packed_size", "parse_header", "read_frame_header", "read_header", "safetensors_layout",
+           "packed_size", "parse_header", "read_file_header", "read_frame_header", "read_header",
+           "safetensors_layout",
            "target_dtype", "unframe", "unpack"]
 
 _ST_DTYPES = {
@@ -179,6 +182,24 @@ def parse_header(raw: bytes | memoryview, total: int) -> tuple[list[tuple[str, t
         raise PayloadError("payload header is not a JSON object; the payload is corrupted")
     meta = header.pop("__metadata__", {}) or {}
     return header_entries(header, total - 8 - len(raw)), meta
+
+
+def read_file_header(path: str | Path) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """A safetensors file's header without reading its data: (start of the data section, name ->
+    {dtype, shape, data_offsets}, __metadata__). The one parser of file headers: checkpoint
+    names, a host-local checkpoint's offsets, the vLLM worker's index of what it serves."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        hlen = header_length(prefix, size)
+        try:
+            header = json.loads(f.read(hlen))
+        except ValueError as e:
+            raise PayloadError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise PayloadError(f"{path}: the safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    return 8 + hlen, header, meta
 
 
 def header_length(prefix: bytes | memoryview, total: int) -> int:

@@ -60,12 +60,9 @@ class Undone(PayloadError):
 def tensor_offsets(path: Path) -> dict[str, dict[str, Any]]:
     """name -> {offset (absolute, in bytes), dtype, shape} of a safetensors file (reads only its
     header; for files this host wrote or checked)."""
-    with open(path, "rb") as f:
-        hlen = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(hlen))
-    header.pop("__metadata__", None)
-    from weightsync.wire.frame import SAFETENSORS_DTYPES
-    return {n: {"offset": 8 + hlen + int(info["data_offsets"][0]), "dtype": SAFETENSORS_DTYPES[info["dtype"]],
+    from weightsync.wire.frame import SAFETENSORS_DTYPES, read_file_header
+    start, header, _ = read_file_header(path)
+    return {n: {"offset": start + int(info["data_offsets"][0]), "dtype": SAFETENSORS_DTYPES[info["dtype"]],
                 "shape": [int(d) for d in info["shape"]]} for n, info in header.items()}
 
 

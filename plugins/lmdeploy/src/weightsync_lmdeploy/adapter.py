@@ -32,8 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from weightsync.errors import ConfigError, EngineError, WeightSyncError
 from weightsync.net.client import json_of
-from weightsync.interfaces import (Encoding, EngineStatus, HttpAdapter, JoinsGroups, Message,
-                                   Payload, Transport)
+from weightsync.interfaces import (AckedRound, Encoding, EngineStatus, HttpAdapter, JoinsGroups,
+                                   Message, Payload, Transport)
 from weightsync.transports.collective import Broadcast, JoinGroup, LeaveGroup
 
 from .segments import LayerGrouper, Segment, flattened_runs, plain
@@ -169,7 +169,7 @@ class LmdeployAdapter(HttpAdapter):
     # -- one round ---------------------------------------------------------------------------
     def _reset_round(self) -> None:
         self._version: int | None = None
-        self._acked: dict[int, str] = {}
+        self._acked = AckedRound()
         self._finished = False
         self._grouper = LayerGrouper(self.options.layer_pattern)
 
@@ -187,7 +187,7 @@ class LmdeployAdapter(HttpAdapter):
         if not self._finished:
             raise EngineError(self.engine_name, "the sync ended before LMDeploy acknowledged the "
                               "call carrying finished=true; its new weights were not completed")
-        return dict(self._acked)
+        return self._acked.digests()
 
     def commit(self, version: int) -> None:
         if not self._finished:
@@ -256,7 +256,7 @@ class LmdeployAdapter(HttpAdapter):
                     self._finished = True
             if payload.last and not segments:
                 raise WeightSyncError("the last bucket produced no call; finished=true was not sent")
-            self._acked[payload.index] = payload.digest
+            self._acked.ack(payload.index, payload.digest)
 
     # -- collective --------------------------------------------------------------------------
     def group_size(self) -> int:
@@ -308,7 +308,7 @@ class LmdeployAdapter(HttpAdapter):
         if finished:
             self._finished = True
         if _is_last_run(header["tensors"], tr["dtype"]):
-            self._acked[int(header["index"])] = str(header["digest"])
+            self._acked.ack(int(header["index"]), str(header["digest"]))
         return out
 
 

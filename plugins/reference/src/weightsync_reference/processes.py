@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
 
 import requests
 from safetensors.torch import load
 
 import torch
 
+from weightsync.net.process import ServerProcess
 from weightsync.net.server import free_port
 
 __all__ = ["EngineProcess", "running", "start_all"]
@@ -46,8 +43,11 @@ class EngineProcess:
         # what runs `serve`: weightsync's CLI, or a test's own engine built on it
         self.program = program or [sys.executable, "-m", "weightsync"]
         self.scheme, self.verify = scheme, verify          # https engines: --tls-cert/--tls-key
-        self.proc: subprocess.Popen | None = None
-        self._log_fh: IO | None = None
+        self.server = ServerProcess(f"engine {self.name}", log)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.server.proc
 
     @property
     def url(self) -> str:
@@ -73,47 +73,20 @@ class EngineProcess:
         cmd += self.extra_args
         if self.api_key:
             cmd += ["--api-key", self.api_key]
-        out: int | IO = subprocess.DEVNULL
-        if self.log is not None:
-            self._log_fh = open(self.log, "ab")
-            out = self._log_fh
-        env = {**os.environ, **(self.env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.server.launch(cmd, self.env)
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> "EngineProcess":
         """Until the launched engine answers /health (its start failing or timing out stops it)."""
-        assert self.proc is not None, "launch() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine {self.name} exited with {self.proc.returncode} during start"
-                                   + (f"; see {self.log}" if self.log else ""))
-            try:
-                if requests.get(self.url + "/health", timeout=1, verify=self.verify).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"engine {self.name} did not answer /health within {timeout}s")
+        self.server.wait_healthy(self.url + "/health", timeout, verify=self.verify)
+        return self
 
     def kill(self) -> None:
         """SIGKILL: the engine dies wherever it is, as a crashed replica would."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        self.server.kill()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self._log_fh:
-            self._log_fh.close()
-            self._log_fh = None
+        self.server.stop(grace=10.0)
 
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

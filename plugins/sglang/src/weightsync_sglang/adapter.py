@@ -23,7 +23,6 @@ push resends everything.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -31,7 +30,7 @@ import requests
 from pydantic import BaseModel, ConfigDict, Field
 from weightsync.errors import ConfigError, EngineError
 from weightsync.net.client import error_text
-from weightsync.interfaces import EngineStatus, HttpAdapter, Message
+from weightsync.interfaces import AckedRound, EngineStatus, HttpAdapter, Message
 from weightsync.transports.collective import Broadcast, JoinGroup, LeaveGroup
 
 from .readback import ReadbackPicks, depth, same
@@ -75,8 +74,7 @@ class SGLangAdapter(HttpAdapter):
 
     def __init__(self, options: BaseModel | None = None, engine: Any = None) -> None:
         super().__init__(options, engine)
-        self._acked: dict[int, str] = {}
-        self._lock = threading.Lock()
+        self._acked = AckedRound()
         self._mode: str | None = None
         self._picks = ReadbackPicks(self.options.readback_tensors, self.options.readback_rows)
 
@@ -152,8 +150,7 @@ class SGLangAdapter(HttpAdapter):
 
     # -- one update round -----------------------------------------------------------------------
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
-        with self._lock:
-            self._acked = {}
+        self._acked.reset()
         self._picks.reset(seed=version)
 
     def observe(self, payload: Any) -> None:
@@ -184,13 +181,11 @@ class SGLangAdapter(HttpAdapter):
         return checked > 0
 
     def _ack(self, header: Mapping[str, Any]) -> None:
-        with self._lock:
-            self._acked[int(header["index"])] = str(header["digest"])
+        self._acked.ack(int(header["index"]), str(header["digest"]))
 
     def end(self) -> dict[int, str]:
         """The sender's digests of the buckets SGLang acknowledged (it cannot re-hash them)."""
-        with self._lock:
-            return dict(self._acked)
+        return self._acked.digests()
 
     def _flush_on_commit(self) -> bool:
         # in_place keeps running requests and their KV; SGLang's flush fails while a batch runs
@@ -203,9 +198,7 @@ class SGLangAdapter(HttpAdapter):
 
     def abort(self) -> None:
         """SGLang cannot drop what it already loaded; the version stays where it was."""
-        with self._lock:
-            n = len(self._acked)
-            self._acked = {}
+        n = self._acked.reset()
         if n:
             log.warning("engine %s: SGLang loaded %d bucket(s) of an aborted sync; its weights are "
                         "partially updated until the next push completes", self.engine_name, n)

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import secrets
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import requests
 from weightsync.errors import ConfigError
 from weightsync.interfaces import Launcher, LocalEngine
+from weightsync.net.process import ServerProcess
 from weightsync.net.server import free_port
 
 from .generation import LOGPROBS_ARGS
@@ -119,9 +117,7 @@ class VllmServer:
         # the weightsync backend refuses updates without its own token: one per server
         self.token = self.env.setdefault("WEIGHTSYNC_VLLM_TOKEN", secrets.token_hex(16))
         self.name = name or f"vllm-{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self._stopped = False      # stop() ran: a second one must not signal a reused pid
-        self._fh: IO | None = None
+        self.server = ServerProcess(f"vLLM server {self.name}", log)
 
     @property
     def url(self) -> str:
@@ -145,55 +141,19 @@ class VllmServer:
         return cmd + self.extra_args
 
     def start(self, timeout: float = 240.0) -> VllmServer:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               **self.env}
-        out: Any = subprocess.DEVNULL
-        if self.log is not None:
-            self._fh = open(self.log, "ab")   # noqa: SIM115 - open for the server's lifetime
-            out = self._fh
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        self._stopped = False
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} during start"
-                                   + (f"; see {self.log}" if self.log else ""))
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vLLM server did not answer /health within {timeout}s"
-                           + (f"; see {self.log}" if self.log else ""))
+        env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **self.env}
+        self.server.launch(self.command(), env)
+        self.server.wait_healthy(self.url + "/health", timeout, poll=0.5)
+        return self
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.server.proc
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after 30 s: no orphaned workers. The
-        group is the server's own session (its pid), signalled only while the server runs or
-        some process is still in it: a reaped pid may already belong to somebody else."""
-        p = self.proc
-        if p is not None and not self._stopped:
-            self._stopped = True
-            pgid: int | None = p.pid
-            if p.poll() is not None and not _group_alive(p.pid):
-                pgid = None
-            if pgid is not None:
-                _signal_group(pgid, signal.SIGTERM)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    pass
-                _signal_group(pgid, signal.SIGKILL)   # children (engine core, worker) too
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        """SIGTERM to the server's process group, SIGKILL after 30 s: no orphaned workers."""
+        self.server.stop(grace=30.0)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -221,28 +181,6 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any process is still in process group `pgid` (Linux: /proc/<pid>/stat). A group
-    id is not reused while the group has members, so signalling it then reaches only them."""
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if len(fields) > 3 and int(fields[2]) == pgid:
-                return True
-    return False
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def vllm_command(model: str, host: str, port: int, name: str, options: dict[str, Any],

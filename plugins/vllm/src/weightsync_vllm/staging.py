@@ -8,8 +8,6 @@ single layerwise reload applies it."""
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import torch
 from weightsync.wire.bucket import digest_algo, dtype_from_name
 from weightsync.errors import PayloadError
 from weightsync.interfaces import Encoding, Payload, TransportReceiver
+from weightsync.wire.frame import read_file_header
 from weightsync.wire.signing import check as check_signature
 from weightsync.wire.bucket import combine_digests
 from weightsync.transports.http.member_fetch import FetchSpec, fetch_body
@@ -32,11 +31,7 @@ _ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file (names, dtypes, shapes) without reading its data."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
+    return read_file_header(path)[1]
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

@@ -1,0 +1,110 @@
+"""A server in a child process, the one starter under the reference engine's `EngineProcess`
+and vLLM's `VllmServer`: output to a log, its own session (so stopping it reaches the workers it
+forked), a start that waits for its health URL (bounded, failing at once when it exits), and a
+stop that is SIGTERM to its process group, then SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import IO
+
+import requests
+
+__all__ = ["ServerProcess", "group_alive"]
+
+
+class ServerProcess:
+    """One child: `launch(argv, env)`, `wait_healthy(url, timeout)`, `stop(grace)`; `kill()` is
+    a crash (SIGKILL to the group). A new `launch` after a stop starts it again (a restart on
+    the same port)."""
+
+    def __init__(self, name: str, log: Path | None = None) -> None:
+        self.name, self.log = name, log
+        self.proc: subprocess.Popen | None = None
+        self._fh: IO[bytes] | None = None
+        self._stopped = True
+
+    def launch(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.stop()                            # a restart: the last run's group and log
+        out: int | IO[bytes] = subprocess.DEVNULL
+        if self.log is not None:
+            self._fh = open(self.log, "ab")     # noqa: SIM115 - open for the child's lifetime
+            out = self._fh
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self._stopped = False
+
+    def _see_log(self) -> str:
+        return f"; see {self.log}" if self.log else ""
+
+    def wait_healthy(self, url: str, timeout: float, verify: bool | str = True,
+                     poll: float = 0.1) -> None:
+        """Until GET `url` answers 200; a child that exits or a timeout stops it and raises."""
+        assert self.proc is not None, "launch() first"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"{self.name} exited with {code} during start{self._see_log()}")
+            try:
+                if requests.get(url, timeout=max(1.0, poll * 10), verify=verify).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(poll)
+        self.stop()
+        raise TimeoutError(f"{self.name} did not answer {url} within {timeout:g}s{self._see_log()}")
+
+    def _signal(self, sig: signal.Signals) -> bool:
+        """`sig` to the child's group while it has members (a reaped group id may be reused)."""
+        p = self.proc
+        if p is None or (p.poll() is not None and not group_alive(p.pid)):
+            return False
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group: the server dies wherever it is, as a crashed one would."""
+        if self._signal(signal.SIGKILL) and self.proc is not None:
+            self.proc.wait()
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM to the group, SIGKILL after `grace` seconds; the log is closed."""
+        p = self.proc
+        if p is not None and not self._stopped:
+            self._stopped = True
+            if self._signal(signal.SIGTERM):
+                try:
+                    p.wait(grace)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._signal(signal.SIGKILL)       # workers it forked, too
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process is still in process group `pgid` (Linux: /proc/<pid>/stat). A group
+    id is not reused while the group has members, so signalling it then reaches only them."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if len(fields) > 3 and int(fields[2]) == pgid:
+                return True
+    return False
