@@ -101,3 +101,39 @@ def test_an_engine_with_an_hmac_key_loads_only_signed_checkpoints(setup: dict[st
     sign_checkpoint(HMAC, c5, 5)
     r = load(e, c5, 5)
     assert r.status_code == 200 and e.health()["version"] == 5 and same(e, s5)
+
+
+def test_edge_inputs_on_the_weight_routes_are_4xx_and_lose_nothing(setup: dict[str, Any],
+                                                                    tmp_path: Path) -> None:
+    """A file symlink out of the load root, a FIFO in it and versions that are not integers in
+    range are each a 400 that says why; the engine keeps its weights and version and still
+    answers (a FIFO opened without a writer would block a reader forever)."""
+    import os
+    e, d = setup["plain"], setup["dir"]
+    before = e.health()["version"]
+    held = e.weights()
+    secret = tmp_path / "elsewhere.safetensors"             # tmp_path is not below the root
+    save_file({k: v.contiguous() for k, v in perturb(setup["sd"], 7).items()}, str(secret))
+    linked = d / "linked"
+    linked.mkdir(exist_ok=True)
+    (linked / "model.safetensors").symlink_to(secret)
+    r = load(e, linked, before + 1)
+    assert r.status_code == 400 and "outside" in r.json()["error"], r.text
+    fifo_dir = d / "fifo"
+    fifo_dir.mkdir(exist_ok=True)
+    os.mkfifo(fifo_dir / "model.safetensors")
+    r = load(e, fifo_dir, before + 1)
+    assert r.status_code == 400 and "not a regular file" in r.json()["error"], r.text
+    ok = checkpoint(d, "fine", perturb(setup["sd"], 8))
+    hdr = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for bad, why in (("1e400", "must be an integer"), ("2.5", "must be an integer"),
+                     ("true", "must be an integer"), (str(2**64), "outside 0..")):
+        # the JSON number as written (1e400 parses to inf; requests would not send it)
+        body = '{"path": "%s", "version": %s}' % (ok, bad)
+        r = requests.post(e.url + "/weightsync/load_from_disk", data=body, headers=hdr, timeout=60)
+        assert r.status_code == 400 and why in r.json()["error"], (bad, r.text)
+        body = '{"version": %s, "transport": {"kind": "http"}, "encoding": {"kind": "raw"}}' % bad
+        r = requests.post(e.url + "/weightsync/begin", data=body, headers=hdr, timeout=10)
+        assert r.status_code == 400 and why in r.json()["error"], (bad, r.text)
+    assert e.health()["version"] == before
+    assert all(torch.equal(e.weights()[n], t) for n, t in held.items())

@@ -64,7 +64,8 @@ from safetensors.torch import save
 
 from weightsync.errors import PayloadError
 from weightsync.interfaces.sampling import SamplingParams
-from weightsync.net.server import HttpError, Routes, Server, make_server as make_http_server
+from weightsync.net.server import (HttpError, Routes, Server, json_int,
+                                   make_server as make_http_server)
 from weightsync.net.keys import resolve_key, warn_if_open
 from weightsync.net.server import MiB
 from weightsync.wire.frame import read_frame_header
@@ -174,7 +175,7 @@ def _resume(h: Any, q: dict) -> Any:
 @routes.add("POST", "/weightsync/begin", max_body=JSON_CAP)
 def _begin(h: Any, q: dict) -> Any:
     body = h.json_body()
-    r = h.engine.begin(int(body["version"]), body, body.get("lease"))
+    r = h.engine.begin(json_int(body.get("version"), "version"), body, body.get("lease"))
     return {"status": "begun", "round": r.id, "version": r.version, "lease": r.lease}
 
 
@@ -229,7 +230,7 @@ def _end(h: Any, q: dict) -> Any:
 
 @routes.add("POST", "/weightsync/commit")
 def _commit(h: Any, q: dict) -> Any:
-    h.engine.commit(_rid(h), int(h.json_body()["version"]))
+    h.engine.commit(_rid(h), json_int(h.json_body().get("version"), "version"))
     return {"version": h.engine.version}
 
 
@@ -244,6 +245,7 @@ def _load_from_disk(h: Any, q: dict) -> Any:
     body = h.json_body()
     if "path" not in body or "version" not in body:
         raise PayloadError('load_from_disk needs {"path": DIR, "version": v}')
+    version = json_int(body["version"], "version")
     path = Path(str(body["path"]))
     roots = h.load_roots
     real = path.resolve()
@@ -254,7 +256,7 @@ def _load_from_disk(h: Any, q: dict) -> Any:
     older = body.get("allow_older", False)
     if not isinstance(older, bool):
         raise HttpError(400, f"allow_older must be true or false, got {older!r}")
-    return {"version": h.engine.load_from_disk(str(real), int(body["version"]), older,
+    return {"version": h.engine.load_from_disk(str(real), version, older,
                                                body.get("signature"))}
 
 
@@ -272,7 +274,7 @@ def _peer_manifest(h: Any, q: dict) -> Any:
 @routes.add("GET", "/weightsync/peer/bucket", auth=False, max_body=0)
 def _peer_bucket(h: Any, q: dict) -> Any:
     try:
-        index, version = int(q["index"][0]), int(q["version"][0])
+        index, version = json_int(q["index"][0], "index"), json_int(q["version"][0], "version")
     except (KeyError, ValueError, IndexError):
         raise HttpError(400, "peer/bucket needs ?index=i&version=v") from None
     parts = h.engine.peer_bucket(h.headers.get(SHARE_HEADER), index, version)
