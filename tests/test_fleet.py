@@ -85,8 +85,10 @@ def test_an_elastic_fleet_stays_on_the_trainers_weights(model_dir: Path, vllm_se
     problems: list[str] = []
 
     def start(name: str, port: int | None = None) -> EngineProcess:
+        # its credential in a file: b, killed and started again, takes its name back at once
         e = EngineProcess(model_dir, name=name, port=port, log=tmp_path / f"{name}.log",
-                          extra_args=["--fleet", url, "--fleet-key", KEY]).start(timeout=120)
+                          extra_args=["--fleet", url, "--fleet-key", KEY, "--fleet-credential-file",
+                                      str(tmp_path / f"{name}.credential")]).start(timeout=120)
         engines[name] = e
         return e
 

@@ -41,8 +41,10 @@ def test_members_register_lapse_come_back_and_catch_up_from_a_peer(tmp_path: Pat
         reg = RegistryClient(url, KEY)
         a = EngineProcess(model, name="a", log=tmp_path / "a.log",
                           extra_args=["--fleet", url, "--fleet-key", KEY]).start()
-        b = EngineProcess(model, name="b", log=tmp_path / "b.log",
-                          extra_args=["--fleet", url, "--fleet-key", KEY]).start()
+        b = EngineProcess(model, name="b", log=tmp_path / "b.log",   # its credential kept: b,
+                          extra_args=["--fleet", url, "--fleet-key", KEY,   # killed, comes back
+                                      "--fleet-credential-file", str(tmp_path / "b.credential")]
+                          ).start()
         try:
             wait_for(lambda: len(reg.fleet()["members"]) == 2, what="two members")
             states = {}

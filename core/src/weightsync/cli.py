@@ -122,6 +122,9 @@ def parser() -> argparse.ArgumentParser:
                         formatter_class=_FMT)
     sp.add_argument("--fleet", required=True, metavar="URL", help="the fleet registry")
     sp.add_argument("--fleet-key", default=None, help="the registry's API key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--fleet-credential-file", default=None, metavar="FILE",
+                    help="keep this member's credential here, so a restarted sidecar takes its "
+                    "name back at once")
     sp.add_argument("--engine", required=True, help="the engine's adapter kind (`weightsync plugins` "
                     "lists them)")
     sp.add_argument("--url", required=True, help="the engine's URL")
@@ -142,7 +145,8 @@ def parser() -> argparse.ArgumentParser:
                     help="the trainer's key (or $WEIGHTSYNC_FLEET_TRAINER_KEY): only it reads the "
                          "members' engine keys and reports pushes")
     sp.add_argument("--state-file", default=None,
-                    help="keep the fleet's version and digests in this file across restarts")
+                    help="keep the fleet's version, digests and name bindings in this file "
+                    "across restarts")
     sp.add_argument("--insecure", action="store_true",
                     help="serve without a fleet key (anyone who reaches it can join)")
     sp.add_argument("--lease", type=float, default=10.0, help="seconds a member stays without a heartbeat")

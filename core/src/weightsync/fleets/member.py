@@ -1,13 +1,16 @@
 """A member's side of the fleet: register, heartbeat every third of the lease with the version
-it holds, register again when the registry forgot it (it restarted), deregister on the way out.
+it holds, register again with its own credential when the registry forgot it (it restarted) or
+refuses it, saying why in `error` (the engine's /health shows it), deregister on the way out.
 Runs on a thread next to the engine (`weightsync serve --fleet`) or in a sidecar
 (`weightsync join`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from weightsync.fleets.client import RegistryClient, RegistryError
@@ -18,8 +21,13 @@ log = logging.getLogger("weightsync.fleets")
 
 
 class Membership:
+    """`credential_file`: where this member keeps its credential (mode 0600), so that the same
+    member restarted (a crash, a new process) takes its name back at once; without it a
+    restarted member waits out the registry's release of the name (`RELEASE_LEASES` leases)."""
+
     def __init__(self, registry: str, key: str | None, registration: dict[str, Any],
-                 version: Callable[[], int | None] | None = None) -> None:
+                 version: Callable[[], int | None] | None = None,
+                 credential_file: str | Path | None = None) -> None:
         self.client = RegistryClient(registry, key)
         self.registration = dict(registration)
         self.name = str(registration["name"])
@@ -28,17 +36,31 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registered = False
+        self.credential_file = Path(credential_file) if credential_file else None
         self.credential: str | None = None       # this member's own, from the registry
+        if self.credential_file is not None and self.credential_file.is_file():
+            self.credential = self.credential_file.read_text().strip() or None
+        self.error: str | None = None            # why the registry does not have it now
 
     def register(self) -> dict[str, Any]:
         out = self.client.register({**self.registration, "version": self.version()},
                                    self.credential)
         self.credential = out.get("credential")
+        if self.credential_file is not None and self.credential:
+            self._keep(self.credential_file, self.credential)
         self.every = max(0.2, float(out.get("lease", 3.0)) / 3)
         self.registered = True
         log.info("registered %s with the fleet registry %s (lease %.1fs)", self.name,
                  self.client.url, float(out.get("lease", 0)))
         return out
+
+    @staticmethod
+    def _keep(path: Path, credential: str) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(credential)
+        os.replace(tmp, path)
 
     def start(self) -> "Membership":
         self.register()
@@ -50,14 +72,20 @@ class Membership:
         while not self._stop.wait(self.every):
             try:
                 self.client.heartbeat(self.name, self.version(), self.credential)
+                self.error = None
             except RegistryError as e:
-                if "is not registered" in str(e):
+                if "is not registered" in str(e) or "another credential" in str(e):
+                    # the registry restarted (its roster is leases), or it holds the name under
+                    # another registration: register again with this member's own credential
                     try:
-                        self.register()          # the registry restarted: its state is leases
+                        self.register()
+                        self.error = None
                     except RegistryError as e2:
-                        log.warning("registering %s again failed: %s", self.name, e2)
+                        self.error = f"registering {self.name} again failed: {e2}"
+                        log.error("%s", self.error)
                 else:
-                    log.warning("heartbeat of %s failed: %s", self.name, e)
+                    self.error = f"heartbeat of {self.name} failed: {e}"
+                    log.warning("%s", self.error)
 
     def stop(self) -> None:
         self._stop.set()

@@ -27,8 +27,9 @@ class RegistryOptions(BaseModel):
     trainer_key: str | None = Field(None, description="with `url`: the registry's trainer key "
                                                       "(reads engine keys, reports pushes)")
     trainer_key_file: str | None = Field(None, description="read the trainer key from this file")
-    state_file: str | None = Field(None, description="keep the fleet's version and digests in "
-                                                     "this file (a restarted trainer resumes them)")
+    state_file: str | None = Field(None, description="keep the fleet's version, digests and "
+                                                     "name bindings in this file (a restarted "
+                                                     "trainer resumes them)")
     insecure: bool = Field(False, description="run the trainer's registry without a key "
                                               "(anyone who reaches it can join the fleet)")
     lease: float = Field(10.0, gt=0, le=3600, description="seconds a member stays without a heartbeat")

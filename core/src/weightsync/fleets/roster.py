@@ -1,11 +1,13 @@
 """The registry's state: members, their leases, versions and states. Small on purpose: it is
 rebuilt from registrations when the registry restarts (members register again at their next
-heartbeat), so nothing here needs to outlive a process.
+heartbeat); only the bindings of names to credentials outlive a process (the state file).
 
 Every registration gets a credential of its own (a random token): heartbeats, updates and
 deregistering name the member *and* carry its credential, so holding the fleet key lets a process
-register itself, never act as another member. A name stays bound to its credential until the
-member deregisters or its lease lapses.
+register itself, never act as another member. A name stays bound to its credential (the registry
+keeps its SHA-256, never the secret, in its state file) until the member deregisters, or until
+nothing was heard from it for `RELEASE_LEASES` leases: a lapse or a registry restart never hands
+the name to the next registrant.
 
 States: `live` (in every push), `joining` (catching up from a peer; pushes skip it),
 `behind` (could not catch up from a peer; the next push sends it whole tensors),
@@ -13,6 +15,7 @@ States: `live` (in every push), `joining` (catching up from a peer; pushes skip 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 import secrets
@@ -27,6 +30,12 @@ from weightsync.config import ComponentRef, EngineSpec
 from weightsync.net.server import Conflict409, HttpError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
+RELEASE_LEASES = 10
+"""Leases without a word from a name's member after which another member may take the name."""
+
+
+def credential_hash(credential: str) -> str:
+    return hashlib.sha256(credential.encode("utf-8", "surrogateescape")).hexdigest()
 State = Literal["live", "joining", "behind", "lapsed"]
 
 
@@ -88,12 +97,29 @@ class Roster:
         self.lease = lease
         self.members: dict[str, MemberState] = {}
         self.current: int | None = None          # the last version a push committed
+        self.bindings: dict[str, str] = {}        # name -> credential_hash of its member's credential
+        self.heard: dict[str, float] = {}         # name -> when its member was last heard from
+        self.release_after = RELEASE_LEASES * lease
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
 
+    def bind(self, hashes: dict[str, str]) -> None:
+        """Bindings kept across a restart: each name's release counts from now."""
+        with self.lock:
+            now = time.monotonic()
+            for name, h in hashes.items():
+                self.bindings[name], self.heard[name] = h, now
+
+    def _bound_to(self, name: str, credential: str | None) -> bool:
+        h = self.bindings.get(name)
+        return h is not None and isinstance(credential, str) and hmac.compare_digest(
+            credential_hash(credential), h)
+
     def check_name(self, reg: Registration, credential: str | None = None) -> None:
-        """Refuse a name a live member holds (409), unless `credential` is that member's own
-        (it registers again, e.g. with a new URL after a restart)."""
+        """Refuse a name a live member holds (409), or one bound to another member's credential
+        that was heard from within `release_after` seconds (a lapse or a registry restart does
+        not free it), unless `credential` is that member's own (it registers again, e.g. with a
+        new URL after a restart)."""
         now = time.monotonic()
         with self.lock:
             self.expire()
@@ -103,6 +129,13 @@ class Roster:
                                   f"{old.reg.url} (lease left {old.expires - now:.1f}s); pick "
                                   f"another name, or wait until it deregisters or its lease "
                                   f"lapses")
+            left = self.heard.get(reg.name, now) + self.release_after - now
+            if reg.name in self.bindings and not self._bound_to(reg.name, credential) \
+                    and not (old is not None and old.owns(credential)) and left > 0:
+                raise Conflict409(f"the name {reg.name!r} belongs to another member's credential "
+                                  f"(kept across lapses and registry restarts): register with "
+                                  f"that credential, or pick another name; it is released "
+                                  f"{left:.0f}s from now unless its member is heard from")
 
     def _member(self, name: str, credential: str | None, check: bool) -> MemberState:
         m = self.members.get(name)
@@ -121,9 +154,12 @@ class Roster:
             self.check_name(reg, credential)
             m = MemberState(reg, now + self.lease, version=reg.version)
             old = self.members.get(reg.name)
-            if old is not None and old.owns(credential):
-                m.credential = old.credential
+            if credential is not None and ((old is not None and old.owns(credential))
+                                           or self._bound_to(reg.name, credential)):
+                m.credential = credential            # the same member, back (a restart)
             self.members[reg.name] = m
+            self.bindings[reg.name] = credential_hash(m.credential)
+            self.heard[reg.name] = now
             self.changed.notify_all()
             return m
 
@@ -132,7 +168,8 @@ class Roster:
         """`check`: the caller came over the network, so `credential` must be the member's."""
         with self.lock:
             m = self._member(name, credential, check)
-            m.expires = time.monotonic() + self.lease
+            now = time.monotonic()
+            m.expires, self.heard[name] = now + self.lease, now
             if m.state == "lapsed":
                 m.state, m.error = "live", None
             if version is not None:
@@ -152,6 +189,8 @@ class Roster:
         with self.lock:
             self._member(name, credential, check)
             del self.members[name]
+            self.bindings.pop(name, None)
+            self.heard.pop(name, None)
             self.changed.notify_all()
 
     def expire(self) -> list[str]:

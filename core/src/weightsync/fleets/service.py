@@ -116,18 +116,21 @@ class RegistryService:
 
     # -- what outlives a restart: the fleet's version and the trainer's digests ---------------
     def _load_state(self) -> None:
-        """The fleet's version and digests from `state_file` (members register again at their
-        next heartbeat, with the versions they hold: the roster itself is not kept)."""
+        """The fleet's version, digests and name bindings from `state_file` (members register
+        again at their next heartbeat, with the versions they hold and the credentials their
+        names are bound to: the roster itself is not kept)."""
         if self.state_file is None or not self.state_file.exists():
             return
         try:
             raw = json.loads(self.state_file.read_text())
             version = raw.get("version")
             anchors = {int(k): v for k, v in (raw.get("anchors") or {}).items()}
+            bindings = {str(k): str(v) for k, v in (raw.get("bindings") or {}).items()}
         except (OSError, ValueError, AttributeError, TypeError) as e:
             raise WeightSyncError(f"fleet state file {self.state_file} is unreadable ({e}); "
                                   f"move it away to start with an empty fleet") from None
         self.roster.current = int(version) if isinstance(version, int) else None
+        self.roster.bind(bindings)
         for v, buckets in anchors.items():
             self.set_anchor(v, buckets, save=False)
         log.info("fleet state from %s: version %s", self.state_file, self.roster.current)
@@ -136,7 +139,9 @@ class RegistryService:
         if self.state_file is None:
             return
         with self.lock:
-            data = {"version": self.roster.current,
+            with self.roster.lock:
+                bindings = dict(self.roster.bindings)
+            data = {"version": self.roster.current, "bindings": bindings,
                     "anchors": {str(k): v for k, v in self.anchors.items()}}
         tmp = self.state_file.with_name(self.state_file.name + ".tmp")
         tmp.write_text(json.dumps(data))
@@ -183,6 +188,7 @@ class RegistryService:
             if reg.version is None:
                 reg = reg.model_copy(update={"version": status.version})
         m = self.roster.register(reg, credential)
+        self._save_state()                           # the name's binding outlives this process
         self.catchup.failed.pop(reg.name, None)     # a new registration gets a fresh try
         self.catchup.poke()
         log.info("member %s registered at %s (%s, version %s)", reg.name, reg.url,
@@ -254,8 +260,15 @@ def _deregister(h: Any, q: dict) -> Any:
     body = _object(h)
     name = str(body.get("name", ""))
     h.service.roster.deregister(name, body.get("credential"), check=True)
+    h.service._save_state()
     log.info("member %s deregistered", name)
     return {"ok": True}
+
+
+@routes.add("GET", "/health", auth=False, max_body=0)
+def _health(h: Any, q: dict) -> Any:
+    """Up and serving (no key needed, nothing about the members): for a supervisor's probe."""
+    return {"status": "ok"}
 
 
 @routes.add("GET", "/fleet", max_body=0)

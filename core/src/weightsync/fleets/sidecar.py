@@ -46,7 +46,8 @@ def run_sidecar(args: Any) -> int:
     member = Membership(args.fleet, resolve_key(args.fleet_key, None, env="WEIGHTSYNC_FLEET_KEY"),
                         {"name": name, "url": args.url, "adapter": {"kind": args.engine},
                          "options": options, "api_key": key},
-                        version=lambda: _version(adapter))
+                        version=lambda: _version(adapter),
+                        credential_file=args.fleet_credential_file)
     member.start()
     print(f"registered {name} with {args.fleet}; heartbeating (Ctrl-C or SIGTERM deregisters)",
           flush=True)

@@ -129,17 +129,18 @@ class WeightSync:
         self.metrics.record_gap(engine, version, mean, max_)
     def fleet_version(self) -> int | None:
         """The newest version the fleet holds (None: nothing pushed yet): what a trainer that
-        restarted pushes above. The highest of the version the fleet recorded (a registry, kept
-        on disk with `state_file`) and the versions its members' engines report."""
+        restarted pushes above. A fleet that records its pushes (a registry; across its own
+        restarts with `state_file`) says it, and no member's claim changes it. Without a record,
+        the highest version a strict majority of the members' engines are at or above: one
+        member claiming 2**63 cannot set the labels of everyone's next version."""
         recorded = getattr(self.fleet, "version", None)
-        found = [recorded()] if callable(recorded) else []
+        if callable(recorded) and (got := recorded()) is not None:
+            return int(got)
         engines = self.members()
         clock = Clock(self.settings.deadline)
         self._bound(engines, clock)
         statuses, _ = Calls(self._pool, clock).each(engines, lambda a: a.health())
-        found += [s.version for s in statuses.values()]
-        known = [v for v in found if v is not None]
-        return max(known) if known else None
+        return held_by_most([s.version for s in statuses.values()])
 
     def _adapter(self, m: Member) -> Adapter:
         key = m.spec.model_dump_json()
@@ -369,3 +370,9 @@ class WeightSync:
 
 
 __all__ = ["WeightSync"]
+
+
+def held_by_most(versions: list[int | None]) -> int | None:
+    """The highest version a strict majority of `versions` are at or above (None: none known)."""
+    known = sorted((v for v in versions if v is not None), reverse=True)
+    return known[len(known) // 2] if known else None

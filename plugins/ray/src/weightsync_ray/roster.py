@@ -68,10 +68,11 @@ class FleetActor:
         with self.lock:
             with roster.lock:
                 old = roster.members.get(name)
-                if old is not None and owner is not None and self.owners.get(name) == owner:
-                    roster.members.pop(name, None)
+                if owner is not None and self.owners.get(name) == owner:
+                    roster.members.pop(name, None)     # the same actor: Ray vouches for it
+                    roster.bindings.pop(name, None)
                     log.info("member %s came back at %s (was %s): its old entry is replaced",
-                             name, registration.get("url"), old.reg.url)
+                             name, registration.get("url"), old.reg.url if old else "gone")
             try:
                 out = self.service.register(registration)
             except HttpError as e:

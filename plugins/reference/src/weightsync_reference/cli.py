@@ -25,7 +25,8 @@ def _serve(args: argparse.Namespace) -> int:
     from weightsync_reference.server import serve
     serve(args.model, args.host, args.port, args.api_key, args.name, args.device,
           api_key_file=args.api_key_file, load_roots=args.load_root, fleet=args.fleet,
-          fleet_key=args.fleet_key, advertise=args.advertise, verbosity=args.verbose - args.quiet,
+          fleet_key=args.fleet_key, fleet_credential_file=args.fleet_credential_file,
+          advertise=args.advertise, verbosity=args.verbose - args.quiet,
           hmac_key_file=args.hmac_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key)
     return 0
 
@@ -42,6 +43,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                     help="a directory load_from_disk may read below (repeatable; none: refused)")
     sp.add_argument("--fleet", default=None, metavar="URL", help="register with this fleet registry")
     sp.add_argument("--fleet-key", default=None, help="the registry's API key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--fleet-credential-file", default=None, metavar="FILE",
+                    help="keep this member's credential here, so a restarted engine takes its "
+                    "fleet name back at once (without it: after the registry releases the name)")
     sp.add_argument("--advertise", default=None, metavar="URL",
                     help="the URL the registry and trainer reach this engine at (default from --host/--port)")
     sp.add_argument("--hmac-key-file", default=None, help="refuse payloads not signed with this "

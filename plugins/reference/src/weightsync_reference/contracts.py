@@ -161,8 +161,10 @@ class FleetContract(Contract, abc.ABC):
                 self.add_member(sync, "m1", other)       # refused, or it replaces the first
             except Exception:  # noqa: BLE001 - a refusal is a valid answer
                 pass
+            # never two members of one name (the first may have lapsed meanwhile on a loaded
+            # machine: a fleet that keeps names bound then refuses the second, and has none)
             names = [m.name for m in sync.fleet.members()]
-            assert names.count("m1") == 1
+            assert names.count("m1") <= 1, names
         finally:
             other.stop()
 

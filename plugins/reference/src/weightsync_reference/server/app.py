@@ -314,6 +314,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
           name: str | None = None, device: str = "cpu", *, api_key_file: str | None = None,
           load_roots: list[str] | None = None, fleet: str | None = None,
           fleet_key: str | None = None, advertise: str | None = None, verbosity: int = 0,
+          fleet_credential_file: str | None = None,
           hmac_key_file: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None) -> None:
     from weightsync.plugins import load_components
@@ -342,7 +343,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
         from weightsync.fleets.member import Membership
         member = Membership(fleet, fleet_key, {"name": engine.name, "url": url,
                                                "adapter": {"kind": "reference"}, "api_key": key},
-                            version=lambda: engine.version)
+                            version=lambda: engine.version, credential_file=fleet_credential_file)
+        engine.membership = member
     stop = threading.Event()
 
     def shutdown(*_: Any) -> None:

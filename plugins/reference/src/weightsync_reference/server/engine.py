@@ -78,6 +78,7 @@ class ReferenceEngine(Generation):
         self.shares = Shares(key=hmac_key)       # peer join: tokens this engine serves
         self.pulled = 0                          # versions taken from a peer
         self.pulled_from: str | None = None
+        self.membership: Any = None        # weightsync.fleets.member.Membership, with --fleet
         # buckets that came through a relay; "streamed": of those, staged as they arrived
         self.relayed = {"received": 0, "forwarded": 0, "streamed": 0}
         self.distrusted: dict[str, Any] | None = None   # set when the trainer's probe failed
@@ -347,7 +348,13 @@ class ReferenceEngine(Generation):
                 "relay": dict(self.relayed), "peer": {"pulled": self.pulled, "from": self.pulled_from,
                                                 "served_buckets": self.shares.served},
                 "round": None if r is None else {"id": r.id, "version": r.version,
-                                                 "expires_in": round(r.left(), 3)}}
+                                                 "expires_in": round(r.left(), 3)},
+                "fleet": self.fleet_error()}
+
+    def fleet_error(self) -> dict[str, Any] | None:
+        """Why this engine's fleet membership is not in effect now (None: it is, or it has none)."""
+        m = self.membership
+        return None if m is None or m.error is None else {"error": m.error}
 
     def info(self) -> dict[str, Any]:
         store = self.model.store
