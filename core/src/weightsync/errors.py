@@ -19,12 +19,14 @@ class ConfigError(WeightSyncError):
 
 
 class EngineError(WeightSyncError):
-    """An engine refused or failed a request; carries the engine's name."""
+    """An engine refused or failed a request; carries the engine's name and, for an HTTP answer,
+    its status (a 4xx is the request's fault, a 5xx the engine's)."""
 
-    def __init__(self, engine: str, message: str) -> None:
+    def __init__(self, engine: str, message: str, status: int | None = None) -> None:
         super().__init__(f"engine {engine}: {message}")
         self.engine = engine
         self.detail = message
+        self.status = status
 
 
 class EngineUnavailable(EngineError):

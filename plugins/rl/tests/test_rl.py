@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +24,9 @@ from weightsync.testing.models import build_tiny_model, load_trainer_model
 
 HERE = Path(__file__).parent
 SYNC = {"sync": {"progress": "off"}, "exporter": {"kind": "torch", "options": {"bucket_bytes": "64KiB"}}}
+
+ROUTER_KEY = "router-key-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {ROUTER_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -127,24 +131,49 @@ def test_the_router_serves_the_fleet_at_one_url(model_dir: Path, pair: list[Engi
     third = EngineProcess(model_dir, name="c", log=tmp_path / "c.log").start(timeout=120)
     try:
         client = RolloutClient([e.spec() for e in pair] + [third.spec()], refresh=0.0)
-        with RolloutRouter(client) as router:
-            rc = RouterClient(router.url)
+        with RolloutRouter(client, api_key=ROUTER_KEY) as router:
+            rc = RouterClient(router.url, api_key=ROUTER_KEY)
             out = rc.sample([[1, 2, 3]] * 6, {"n": 2, "max_new_tokens": 3, "seed": 1})
             assert len(out) == 12 and {s.engine for s in out} == {"a", "b", "c"}
             third.kill()                         # a member dies: the others serve
             out = rc.sample([[4, 5]] * 6, {"max_new_tokens": 2}, min_version=0)
             assert {s.engine for s in out} <= {"a", "b"} and len(out) == 6
             r = requests.post(router.url + "/generate", json={"input_ids": [1], "exact_version": 999,
-                                                              "wait": 0.3}, timeout=30)
+                                                              "wait": 0.3}, timeout=30, headers=AUTH)
             assert r.status_code == 503
             body = r.json()
             assert "no member could serve version 999" in body["error"]
             assert set(body["held"]) == {"a", "b", "c"} and "c" in body["held"]
             r = requests.post(router.url + "/generate", json={"input_ids": [1], "sampling": {"top_p": 2}},
-                              timeout=30)
+                              timeout=30, headers=AUTH)
             assert r.status_code == 400 and "top_p" in r.json()["error"]
     finally:
         third.stop()
+
+
+def test_the_router_holds_against_callers(pair: list[EngineProcess]) -> None:
+    """No key, no router (unless insecure on purpose); a caller without the key gets a 401; a
+    request asking for more tokens than the budget is a 413 before any engine works; a token id
+    outside the vocabulary is the engine's 400, passed on at once, and marks no engine down (the
+    next caller is served at once)."""
+    from weightsync.errors import ConfigError
+    client = RolloutClient([e.spec() for e in pair], refresh=0.0)
+    with pytest.raises(ConfigError, match="the router has no key"):
+        RolloutRouter(client)
+    with RolloutRouter(client, api_key=ROUTER_KEY, max_tokens=1000) as router:
+        r = requests.post(router.url + "/generate", json={"input_ids": [1]}, timeout=30)
+        assert r.status_code == 401
+        big = {"prompts": [[1, 2]] * 10, "sampling": {"n": 4, "max_new_tokens": 100}}
+        r = requests.post(router.url + "/generate", json=big, timeout=30, headers=AUTH)
+        assert r.status_code == 413 and "asks for 4000 tokens" in r.json()["error"], r.text
+        t0 = time.monotonic()
+        r = requests.post(router.url + "/generate", timeout=60, headers=AUTH,
+                          json={"input_ids": [1, 10**9], "wait": 20})
+        assert r.status_code == 400 and "refused the request" in r.json()["error"], r.text
+        assert time.monotonic() - t0 < 10            # not the whole `wait` (20 s)
+        assert all(v is None or isinstance(v, int) for v in client.held().values())
+        rc = RouterClient(router.url, api_key=ROUTER_KEY)
+        assert len(rc.sample([[4, 5]] * 2, {"max_new_tokens": 2}, wait=5)) == 2
 
 
 def test_a_sample_that_spans_a_swap_carries_both_versions_or_is_regenerated(

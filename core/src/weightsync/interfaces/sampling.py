@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.errors import WeightSyncError
 
-__all__ = ["Gate", "NotFitting", "Sample", "SamplingParams", "StaleEngines", "Unsupported"]
+__all__ = ["Gate", "NotFitting", "Refused", "Sample", "SamplingParams", "StaleEngines",
+           "Unsupported"]
 
 
 class SamplingParams(BaseModel):
@@ -115,3 +116,9 @@ class StaleEngines(WeightSyncError):
     def __init__(self, message: str, held: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.held = held or {}
+
+
+class Refused(WeightSyncError):
+    """An engine refused a generation request as malformed (an HTTP 4xx: a token id outside its
+    vocabulary, a prompt too long): the caller's to fix. No other engine is tried with it, and
+    the engine is not marked down."""

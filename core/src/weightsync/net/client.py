@@ -65,7 +65,8 @@ def call(session: requests.Session, engine: str, method: str, url: str, *, timeo
     if resp.status_code not in ok:
         if resp.status_code >= 500:
             forget_connections(session)
-        raise EngineError(engine, f"{method} {url} -> HTTP {resp.status_code}: {error_text(resp)}")
+        raise EngineError(engine, f"{method} {url} -> HTTP {resp.status_code}: {error_text(resp)}",
+                          status=resp.status_code)
     return resp
 
 

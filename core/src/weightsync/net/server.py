@@ -35,8 +35,8 @@ from weightsync.errors import PayloadError, WeightSyncError
 from weightsync.net.body import BodyStream
 from weightsync.net.guard import HeadGuard, HeadReader
 
-__all__ = ["MAX_VERSION", "Conflict409", "Handler", "HttpError", "MiB", "Route", "Routes", "Server",
-           "Streamed", "free_port", "json_int", "make_server"]
+__all__ = ["Conflict409", "Handler", "HttpError", "MiB", "Route", "Routes", "Server", "Streamed",
+           "free_port", "make_server"]
 
 log = logging.getLogger("weightsync.http")
 MiB = 2**20
@@ -57,23 +57,6 @@ class HttpError(WeightSyncError):
         super().__init__(message)
         self.status = status
         self.extra = extra
-
-
-MAX_VERSION = 2**63 - 1
-"""The largest weight version any route takes (a signed 64-bit integer, what every engine can
-store)."""
-
-
-def json_int(value: Any, field: str, lo: int = 0, hi: int = MAX_VERSION) -> int:
-    """`value` from a JSON body (or a query string) as an integer in [lo, hi], checked before
-    anything else reads it: 1e400, 2.5, true, "7x" or 2**64 are a 400 naming the field."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise HttpError(400, f"{field} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise HttpError(400, f"{field} {value} is outside {lo}..{hi}")
-    return value
 
 
 @dataclass

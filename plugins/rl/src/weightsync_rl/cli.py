@@ -21,15 +21,22 @@ def _route(args: argparse.Namespace) -> int:
         raise UserError("give the fleet registry (--fleet URL) or the engines (--engine URL ...)")
     if args.fleet:
         cls = components.fleets.get("registry")
-        fleet = cls(cls.Options.model_validate({"url": args.fleet, "api_key": args.fleet_key}))
+        fleet = cls(cls.Options.model_validate({"url": args.fleet, "api_key": args.fleet_key,
+                                                "trainer_key_file": args.fleet_trainer_key_file}))
         fleet.open(components, None)
         client = RolloutClient(fleet=fleet, adapter=args.adapter, components=components)
     else:
         client = RolloutClient([{"url": u, "adapter": args.adapter} for u in args.engine],
                                components=components)
-    router = RolloutRouter(client, args.host, args.port,
-                           api_key=resolve_key(args.api_key, args.api_key_file,
-                                               env="WEIGHTSYNC_ROUTER_KEY"))
+    from weightsync.errors import ConfigError
+    try:
+        router = RolloutRouter(client, args.host, args.port,
+                               api_key=resolve_key(args.api_key, args.api_key_file,
+                                                   env="WEIGHTSYNC_ROUTER_KEY"),
+                               insecure=args.insecure, max_tokens=args.max_tokens)
+    except ConfigError as e:
+        client.close()
+        raise UserError(str(e)) from None
     print(f"weightsync router at {router.url} (POST /generate, GET /members)", flush=True)
     try:
         router.server.serve_forever()
@@ -67,11 +74,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "go to live members holding a fitting version", formatter_class=_FMT)
     sp.add_argument("--fleet", default=None, metavar="URL", help="a fleet registry to follow")
     sp.add_argument("--fleet-key", default=None, help="the registry's key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--fleet-trainer-key-file", default=None, metavar="FILE",
+                    help="the registry's trainer key: a keyed registry hands the members' engine "
+                    "keys only to it (it also reports pushes: keep the router where the trainer is)")
     sp.add_argument("--engine", action="append", default=[], metavar="URL",
                     help="a static engine instead of a registry (repeat)")
     sp.add_argument("--adapter", default="reference", help="adapter kind of members that name none")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8300, help="port to listen on")
     key_args(sp, "the router", "WEIGHTSYNC_ROUTER_KEY")
+    sp.add_argument("--insecure", action="store_true", help="serve without a key (anyone who "
+                    "reaches the router generates on the fleet)")
+    sp.add_argument("--max-tokens", type=int, default=1 << 22, help="tokens one request may ask "
+                    "for (prompts x n x max_new_tokens); larger ones are a 413")
     sp.set_defaults(fn=_route)
 

@@ -12,6 +12,7 @@ does not). A PNG of the series is written next to the run."""
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import tempfile
 import time
@@ -102,10 +103,11 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
                 launch(n)
             _wait(lambda: len(sync.fleet.members()) == 2, 30)
         client = RolloutClient.of(sync)
-        with RolloutRouter(client) as router:
+        router_key = secrets.token_urlsafe(24)          # the demo's own caller only
+        with RolloutRouter(client, api_key=router_key) as router:
             print(f"engines: {', '.join(started)}; rollouts through the router at {router.url}"
                   + (f"; fleet registry at {sync.fleet_url}" if fleet else "") + f"; workdir {work}")
-            rc = RouterClient(router.url)
+            rc = RouterClient(router.url, api_key=router_key)
             loop = RLLoop(model, opt, sync if push else _NoPush(sync), rc.sample,
                           CountingTask(seed=1), SamplingParams(n=GROUP, temperature=1.0,
                                                                max_new_tokens=4, seed=SEED),

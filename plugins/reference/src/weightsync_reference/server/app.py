@@ -64,8 +64,8 @@ from safetensors.torch import save
 
 from weightsync.errors import PayloadError
 from weightsync.interfaces.sampling import SamplingParams
-from weightsync.net.server import (HttpError, Routes, Server, json_int,
-                                   make_server as make_http_server)
+from weightsync.net.fields import json_int
+from weightsync.net.server import HttpError, Routes, Server, make_server as make_http_server
 from weightsync.net.keys import resolve_key, warn_if_open
 from weightsync.net.server import MiB
 from weightsync.wire.frame import read_frame_header

@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterable
 from weightsync.config import EngineSpec
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.interfaces import Adapter, Fleet, Member
-from weightsync.interfaces.sampling import (Gate, NotFitting, Sample, SamplingParams, StaleEngines,
-                                            Unsupported)
+from weightsync.interfaces.sampling import (Gate, NotFitting, Refused, Sample, SamplingParams,
+                                            StaleEngines, Unsupported)
 from weightsync_rl.rollout.sampler import Sampler, sampler_for
 
 MembersSource = Callable[[], list[Member]]
@@ -205,7 +205,16 @@ class RolloutClient:
                 continue
             except Unsupported:
                 raise
-            except (EngineError, WeightSyncError, OSError) as e:
+            except EngineError as e:
+                if e.status is not None and 400 <= e.status < 500 and e.status not in (408, 409, 429):
+                    # the request's fault (a token id outside the vocabulary): the same request
+                    # fails on every engine, and this one is not down
+                    raise Refused(f"{slot.name} refused the request: {e.detail}") from None
+                slot.last_error = str(e)[:200]
+                slot.down_until = time.monotonic() + 1.0
+                tried.add(slot.name)
+                continue
+            except (WeightSyncError, OSError) as e:
                 slot.last_error = str(e)[:200]
                 slot.down_until = time.monotonic() + 1.0
                 tried.add(slot.name)

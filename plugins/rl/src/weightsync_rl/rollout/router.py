@@ -7,24 +7,35 @@ agent framework talks to one opaque endpoint while engines join, die and fall be
                    -> {"samples": [{token_ids, logprobs, finish_reason, engine, version,
                        version_end, prompt_ids, prompt_index}, ...]}
                    503 {"error", "held": {member: version}} when no member could serve in time;
-                   400 for bad parameters or one an engine cannot honour
+                   400 for bad parameters, one an engine cannot honour, or a request an engine
+                   refused as malformed (its 4xx; the engine is not marked down); 413 for a
+                   body over `MAX_BODY` or more than `max_tokens` tokens asked for (prompts x n x
+                   max_new_tokens)
   GET  /members    -> {"members": {name: version or why not}}
   GET  /health     -> {"status": "ok", "members": n}   (no key needed)
-"""
+
+Every other route needs the router's key (`Authorization: Bearer`): a router runs without one
+only when started `insecure` on purpose, and says so."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, cast
 
 from pydantic import ValidationError
 
-from weightsync.net.server import HttpError, Routes, Server, make_server
+from weightsync.errors import ConfigError
+from weightsync.interfaces.sampling import Refused, SamplingParams, StaleEngines, Unsupported
+from weightsync.net.keys import warn_if_open
+from weightsync.net.server import MiB, HttpError, Routes, Server, make_server
 from weightsync_rl.rollout.client import RolloutClient
-from weightsync.interfaces.sampling import SamplingParams, StaleEngines, Unsupported
 
+log = logging.getLogger("weightsync_rl.router")
 routes = Routes()
 MAX_PROMPTS = 4096
+MAX_BODY = 32 * MiB          # 4096 prompts of ~1k token ids as JSON, with room
+MAX_TOKENS = 1 << 22         # tokens one request may ask for: prompts x n x max_new_tokens
 
 
 def _ids(v: Any, what: str) -> list[int]:
@@ -50,7 +61,7 @@ def _members(h: Any, q: dict) -> Any:
     return {"members": h.client.held()}
 
 
-@routes.add("POST", "/generate", max_body=64 << 20)
+@routes.add("POST", "/generate", max_body=MAX_BODY)
 def _generate(h: Any, q: dict) -> Any:
     body = h.json_body()
     if not isinstance(body, dict):
@@ -73,13 +84,18 @@ def _generate(h: Any, q: dict) -> Any:
     mixed = body.get("mixed", "retry")
     if mixed not in ("retry", "keep"):
         raise HttpError(400, "mixed must be 'retry' or 'keep'")
+    asked = len(prompts) * params.n * params.max_new_tokens
+    if asked > h.max_tokens:
+        raise HttpError(413, f"this request asks for {asked} tokens ({len(prompts)} prompts x n "
+                             f"{params.n} x max_new_tokens {params.max_new_tokens}); the router "
+                             f"takes at most {h.max_tokens} per request: split it")
     try:
         samples = h.client.sample(prompts, params, min_version=_opt_int(body, "min_version"),
                                   exact_version=_opt_int(body, "exact_version"),
                                   wait=float(wait), mixed=mixed)
     except StaleEngines as e:
         raise HttpError(503, str(e), held=e.held) from None
-    except Unsupported as e:
+    except (Unsupported, Refused) as e:
         raise HttpError(400, str(e)) from None
     return {"samples": [s.to_json() for s in samples]}
 
@@ -89,10 +105,21 @@ class RolloutRouter:
     (`serve_forever`)."""
 
     def __init__(self, client: RolloutClient, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, *, insecure: bool = False,
+                 max_tokens: int = MAX_TOKENS) -> None:
+        if not api_key and not insecure:
+            raise ConfigError("the router has no key: anyone who reaches it could generate on "
+                              "every engine of the fleet. Give it one (`weightsync route "
+                              "--api-key-file`, $WEIGHTSYNC_ROUTER_KEY, `api_key=`), or say "
+                              "`--insecure` (`insecure=True`) for a test setup")
+        if not api_key:
+            log.warning("the router at %s:%s serves without a key (insecure): any caller that "
+                        "reaches it generates on the fleet's engines", host, port)
+        warn_if_open(host, api_key, "the rollout router")
         self.client = client
         self.server: Server = make_server(routes, host, port, api_key=api_key, name="router",
-                                          state={"client": client}, max_connections=256)
+                                          state={"client": client, "max_tokens": max_tokens},
+                                          max_connections=256)
         self._thread: threading.Thread | None = None
 
     @property
