@@ -87,11 +87,14 @@ def test_a_registry_restart_does_not_hand_a_name_to_the_next_registrant(
     reg, victim, sd = fleet
     report, _ = _push(reg, sd, 1)
     assert report.engines["victim"].status == "verified"
+    assert victim.proc is not None
+    os.kill(victim.proc.pid, signal.SIGSTOP)              # the rogue asks first, surely
     reg.proc.kill()                                       # SIGKILL: no goodbye
     reg.start()                                           # same port, same state file
     rogue = RegistryClient(reg.url, KEY)
     with pytest.raises(RegistryError, match="HTTP 409.*belongs to another member's credential"):
         rogue.register({"name": "victim", "url": "http://127.0.0.1:9"})
+    os.kill(victim.proc.pid, signal.SIGCONT)
     wait_for(lambda: (member(reg.view(), "victim") or {}).get("state") == "live",
              what="victim registered again with its own credential")
     report, labels = _push(reg, sd, 2)

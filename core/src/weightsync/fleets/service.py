@@ -187,8 +187,10 @@ class RegistryService:
                 probe.close()
             if reg.version is None:
                 reg = reg.model_copy(update={"version": status.version})
+        bound = self.roster.bindings.get(reg.name)
         m = self.roster.register(reg, credential)
-        self._save_state()                           # the name's binding outlives this process
+        if self.roster.bindings.get(reg.name) != bound:
+            self._save_state()       # a new binding outlives this process (a member back is not)
         self.catchup.failed.pop(reg.name, None)     # a new registration gets a fresh try
         self.catchup.poke()
         log.info("member %s registered at %s (%s, version %s)", reg.name, reg.url,

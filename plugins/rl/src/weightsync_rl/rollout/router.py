@@ -27,7 +27,6 @@ from pydantic import ValidationError
 
 from weightsync.errors import ConfigError
 from weightsync.interfaces.sampling import Refused, SamplingParams, StaleEngines, Unsupported
-from weightsync.net.keys import warn_if_open
 from weightsync.net.server import MiB, HttpError, Routes, Server, make_server
 from weightsync_rl.rollout.client import RolloutClient
 
@@ -115,7 +114,6 @@ class RolloutRouter:
         if not api_key:
             log.warning("the router at %s:%s serves without a key (insecure): any caller that "
                         "reaches it generates on the fleet's engines", host, port)
-        warn_if_open(host, api_key, "the rollout router")
         self.client = client
         self.server: Server = make_server(routes, host, port, api_key=api_key, name="router",
                                           state={"client": client, "max_tokens": max_tokens},
