@@ -10,7 +10,7 @@ from weightsync import SyncError, WeightSync
 from weightsync.plugins import load_components
 from weightsync_reference.processes import EngineProcess
 from weightsync_reference.processes import start_all
-from weightsync.testing.models import build_tiny_model, greedy
+from weightsync_reference.models import build_tiny_model, greedy
 
 INSTALLED = load_components().transports
 TRANSPORTS = [t for t in ("http", "shm", "collective") if t in INSTALLED]
@@ -56,7 +56,7 @@ def assert_bit_exact(engine, model):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_three_versions_into_two_engines_bit_exact(transport, model_dir, engines):
-    from weightsync.testing.models import load_trainer_model
+    from weightsync_reference.models import load_trainer_model
     model = load_trainer_model(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with WeightSync.from_config(config(transport, engines)) as sync:
@@ -78,7 +78,7 @@ def test_three_versions_into_two_engines_bit_exact(transport, model_dir, engines
 def test_engine_killed_mid_push_then_restarted(transport, model_dir, engines):
     """engine1 is SIGKILLed while buckets are streaming: the push fails for it alone, engine0 ends
     at a whole version (bit-exact), and after a restart the next push reaches both."""
-    from weightsync.testing.models import load_trainer_model
+    from weightsync_reference.models import load_trainer_model
     model = load_trainer_model(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     victim, survivor = engines[1], engines[0]

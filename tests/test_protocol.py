@@ -32,7 +32,7 @@ from weightsync_reference import plugin as reference_plugin
 from weightsync import SyncError, WeightSync
 from weightsync_reference.processes import EngineProcess
 from weightsync_reference.processes import start_all
-from weightsync.testing.models import build_tiny_model, greedy
+from weightsync_reference.models import build_tiny_model, greedy
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 
 PROMPT = [1, 17, 42, 99, 7]
@@ -215,7 +215,7 @@ def post(engine: EngineProcess, path: str, body: Any = None, rid: str | None = N
 @pytest.mark.parametrize("pause", ["swap", "sync"])
 def test_generation_runs_during_the_transfer_and_pauses_only_for_the_swap(
         llama_dir: Path, tmp_path: Path, pause: str) -> None:
-    from weightsync.testing.models import load_trainer_model
+    from weightsync_reference.models import load_trainer_model
     model = load_trainer_model(llama_dir)
     with EngineProcess(llama_dir, log=tmp_path / "e.log") as eng:
         old = greedy(model, PROMPT, 4)

@@ -12,7 +12,7 @@ import requests
 
 from weightsync.net.process import ServerProcess
 from weightsync.net.server import free_port
-from weightsync.testing.models import build_tiny_model
+from weightsync_reference.models import build_tiny_model
 from weightsync.testing.waiting import wait_for
 from weightsync_reference.processes import EngineProcess
 

@@ -56,7 +56,7 @@ def loop(mode: str, steps: int, model_dir: Path, work: Path, workload: str = "de
     """The GRPO loop in `mode` against two fresh engines (version 0), as the demo runs it, with
     `workload`'s completion length and epochs (the demo's task scores the first 4 tokens)."""
     tokens, epochs = WORKLOADS[workload]
-    from weightsync.testing.models import load_trainer_model
+    from weightsync_reference.models import load_trainer_model
     torch.manual_seed(0)
     model = load_trainer_model(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)

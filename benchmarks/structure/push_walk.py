@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import weightsync
-from weightsync.testing.models import build_tiny_model, load_trainer_model
+from weightsync_reference.models import build_tiny_model, load_trainer_model
 from weightsync_reference.processes import running
 
 

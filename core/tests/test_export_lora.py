@@ -20,14 +20,14 @@ peft = pytest.importorskip("peft")
 
 
 def llama(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    from weightsync.testing.models import tiny_config
+    from weightsync_reference.models import tiny_config
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_config("llama", vocab=256)).to(dtype)
 
 
 def moe(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    from weightsync.testing.models import tiny_moe_config
+    from weightsync_reference.models import tiny_moe_config
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe", vocab=256)).to(dtype)
@@ -83,7 +83,7 @@ def test_merged_moe_experts_in_checkpoint_layout(tmp_path: Path) -> None:
 
 
 def test_lora_bias_merges(tmp_path: Path) -> None:
-    from weightsync.testing.models import tiny_config
+    from weightsync_reference.models import tiny_config
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab=256))   # q/k/v have biases

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 def moe() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from weightsync.testing.models import tiny_moe_config
+    from weightsync_reference.models import tiny_moe_config
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe", vocab=256))
 

@@ -38,7 +38,7 @@ RANK = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
     from weightsync import WeightSync
-    from weightsync.testing.models import fill_deterministic, tiny_moe_config
+    from weightsync_reference.models import fill_deterministic, tiny_moe_config
 
     url, out, bucket, spec = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     modes = json.loads(sys.argv[5])            # [[mode, seed], ...]
@@ -124,7 +124,7 @@ def _expected(seed: int, tmp: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from weightsync.testing.models import fill_deterministic, tiny_moe_config
+    from weightsync_reference.models import fill_deterministic, tiny_moe_config
     model = AutoModelForCausalLM.from_config(tiny_moe_config(**MODEL)).to(torch.bfloat16)
     fill_deterministic(model, seed=seed).save_pretrained(tmp / f"ref{seed}")
     return {k: v for f in sorted((tmp / f"ref{seed}").glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -185,7 +185,7 @@ EDGES = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
     from weightsync.exporters.torch import TorchExporter
-    from weightsync.testing.models import fill_deterministic
+    from weightsync_reference.models import fill_deterministic
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

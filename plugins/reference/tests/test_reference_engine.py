@@ -13,7 +13,7 @@ from weightsync import SyncError, WeightSync, hookimpl
 from weightsync.encodings.raw import RawEncoding
 from weightsync.plugins import load_components, make_plugin_manager
 from weightsync.testing import sample_state_dict, write_weights_only_model
-from weightsync.testing.models import build_tiny_model, greedy
+from weightsync_reference.models import build_tiny_model, greedy
 from weightsync.testing.sample import perturb
 from weightsync.net.server import free_port
 from weightsync_reference.processes import EngineProcess

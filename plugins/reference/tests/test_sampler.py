@@ -12,7 +12,7 @@ import torch
 
 from weightsync.interfaces.sampling import SamplingParams
 from weightsync_reference.server.sampler import Aborted, BatchingSampler, make_rows, pick, score
-from weightsync.testing.models import build_tiny_model, greedy
+from weightsync_reference.models import build_tiny_model, greedy
 
 
 @pytest.fixture(scope="module")

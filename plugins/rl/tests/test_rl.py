@@ -20,7 +20,7 @@ from weightsync_rl.rollout import RolloutClient, RolloutRouter, SamplingParams, 
 from weightsync_rl.rollout.remote import RouterClient
 from weightsync_reference.processes import EngineProcess
 from weightsync_reference.processes import start_all
-from weightsync.testing.models import build_tiny_model, load_trainer_model
+from weightsync_reference.models import build_tiny_model, load_trainer_model
 
 HERE = Path(__file__).parent
 SYNC = {"sync": {"progress": "off"}, "exporter": {"kind": "torch", "options": {"bucket_bytes": "64KiB"}}}

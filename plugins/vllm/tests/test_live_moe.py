@@ -59,7 +59,7 @@ def train(model: torch.nn.Module, steps: int = 3, seed: int = 1) -> torch.nn.Mod
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, VllmServer]]:
     """vLLM serving a tiny random Qwen3-MoE checkpoint written by save_pretrained."""
     from transformers import AutoModelForCausalLM
-    from weightsync.testing.models import tiny_moe_config
+    from weightsync_reference.models import tiny_moe_config
     root = tmp_path_factory.mktemp("vllm-moe")
     model_dir = root / "model"
     torch.manual_seed(0)

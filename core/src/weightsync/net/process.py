@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 import requests
 
@@ -28,14 +28,16 @@ class ServerProcess:
         self._fh: IO[bytes] | None = None
         self._stopped = True
 
-    def launch(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def launch(self, argv: list[str], env: dict[str, str] | None = None,
+               preexec_fn: Callable[[], None] | None = None) -> None:
         self.stop()                            # a restart: the last run's group and log
         out: int | IO[bytes] = subprocess.DEVNULL
         if self.log is not None:
             self._fh = open(self.log, "ab")     # noqa: SIM115 - open for the child's lifetime
             out = self._fh
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                                     preexec_fn=preexec_fn, start_new_session=True)
         self._stopped = False
 
     def _see_log(self) -> str:

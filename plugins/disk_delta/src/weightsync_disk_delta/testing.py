@@ -18,7 +18,7 @@ class Trainer:
     so which elements change is real, and the learning rate sets how many."""
 
     def __init__(self, model_dir: Path, lr: float = 3e-6, seed: int = 0, **arch) -> None:
-        from weightsync.testing.models import build_tiny_model
+        from weightsync_reference.models import build_tiny_model
         self.model: Any     # a transformers causal LM (build_tiny_model types it as a Module)
         self.model = build_tiny_model(model_dir, "llama", dtype="bfloat16", seed=seed, **arch).float()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)

@@ -14,9 +14,10 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
-from typing import IO, Callable
+from typing import Callable
+
+from weightsync.net.process import ServerProcess
 
 __all__ = ["ManagedProcess", "PR_SET_PDEATHSIG", "crash_actor"]
 
@@ -51,18 +52,22 @@ def crash_actor(why: str) -> None:
 
 
 class ManagedProcess:
-    """`argv` run with its output in `log_path`; `on_exit(code)` runs if it ends by itself."""
+    """`argv` run with its output in `log_path`; `on_exit(code)` runs if it ends by itself. The
+    start and the stop are core's `ServerProcess`; this adds the two-way binding to the actor."""
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
                  on_exit: Callable[[int], None] | None = None) -> None:
         self.argv, self.log_path, self.env = list(argv), Path(log_path), env
         self.on_exit = on_exit
-        self.proc: subprocess.Popen | None = None
+        self.server = ServerProcess("engine", self.log_path)
         self.stopping = False
         self._started = threading.Event()
         self._error: BaseException | None = None
-        self._fh: IO[bytes] | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.server.proc
 
     def start(self) -> "ManagedProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,17 +81,15 @@ class ManagedProcess:
     def _own(self) -> None:
         """Start the child and wait on it: this thread lives exactly as long as the child."""
         try:
-            self._fh = open(self.log_path, "ab")    # noqa: SIM115 - open for the child's lifetime
-            self.proc = subprocess.Popen(self.argv, stdout=self._fh, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env,
-                                         preexec_fn=_die_with_parent(_libc(), os.getpid()),
-                                         start_new_session=True)
+            self.server.launch(self.argv, self.env,
+                               preexec_fn=_die_with_parent(_libc(), os.getpid()))
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._error = e
             self._started.set()
             return
         self._started.set()
-        code = self.proc.wait()
+        assert self.server.proc is not None
+        code = self.server.proc.wait()
         if not self.stopping and self.on_exit is not None:
             self.on_exit(code)
 
@@ -106,30 +109,13 @@ class ManagedProcess:
         return "\n".join(text.strip().splitlines()[-lines:])
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would: `on_exit` runs (the actor then exits and is restarted)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL to the child's group, as a crash would: `on_exit` runs (the actor then exits
+        and is restarted)."""
+        self.server.kill()
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (the engine deregisters and closes), SIGKILL after `timeout`; no `on_exit`."""
         self.stopping = True
-        p = self.proc
-        if p is not None and p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)   # its own session: workers it spawned go too
-            except ProcessLookupError:
-                pass
-            deadline = time.monotonic() + timeout
-            while p.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        self.server.stop(timeout)
         if self._thread is not None:
             self._thread.join(5)
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None

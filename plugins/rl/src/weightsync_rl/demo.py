@@ -51,7 +51,7 @@ def build_demo_model(model_dir: Path) -> torch.nn.Module:
     """The demo's policy: a 2-layer Llama over the task's 16 tokens, saved to `model_dir`. One
     head of 64: vLLM's CPU attention has kernels for head sizes such as 64, not 16."""
     from weightsync_rl.task import VOCAB
-    from weightsync.testing.models import build_tiny_model
+    from weightsync_reference.models import build_tiny_model
     torch.manual_seed(0)
     return build_tiny_model(model_dir, "llama", vocab=VOCAB, hidden=64, intermediate=128,
                             heads=1, kv_heads=1)

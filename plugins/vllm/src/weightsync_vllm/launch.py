@@ -90,7 +90,7 @@ def build_tokenizer(path: str | Path, vocab: int = 1024) -> None:
 def build_model_dir(path: str | Path, arch: str = "llama", *, dtype: str = "bfloat16",
                     seed: int = 0, **kw: Any) -> Any:
     """A tiny random causal LM (core's builder) plus a tokenizer: a directory vLLM can serve."""
-    from weightsync.testing.models import build_tiny_model
+    from weightsync_reference.models import build_tiny_model
     model: Any          # a transformers causal LM (build_tiny_model types it as a plain Module)
     model = build_tiny_model(path, arch, dtype=dtype, seed=seed, **kw)  # type: ignore[arg-type]
     build_tokenizer(path, model.config.vocab_size)
