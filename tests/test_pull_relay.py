@@ -170,3 +170,8 @@ def test_a_relay_that_stalls_or_dies_costs_its_subtree_nothing(members: list[Mem
     assert members[3].answers[-1]["digest"] == digest(p.body)
     assert members[3].answers[-1]["reason"] is None     # m2 kept feeding it
     assert r.trainer_fetches == 2
+    if how == "stalled":           # m1 relays nothing more this push (and sits out the next)
+        assert "it stalled feeding m2 in bucket 0" in r.strikes.remarks().get("m1", ""), \
+            r.strikes.remarks()
+        assert r.plan(["m0", "m1", "m2", "m3"]) == {"m0": ["m2"], "m2": ["m3"], "m3": ["m1"],
+                                                       "m1": []}

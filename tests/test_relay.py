@@ -110,7 +110,7 @@ def test_a_relay_that_stalls_costs_its_subtree_nothing(
     after `stall` seconds and says so to the trainer, which feeds it itself; e2 and e3 stall
     too, or see their relay's body end when the member above them lets go of the bucket for
     the trainer's copy. Every member commits the version bit for bit, and the stall is
-    reported by relay and member."""
+    reported by relay and member. e0 is then a leaf for the rest of the push and the next."""
     new = perturb(model[1], 1)
     cfg = config(fleet, "chain")
     cfg["transport"]["options"]["stall"] = 2.0
@@ -123,12 +123,14 @@ def test_a_relay_that_stalls_costs_its_subtree_nothing(
         for n in ("e2", "e3"):
             assert any(f"{n} fed directly by the trainer (" in x and (
                 "stalled: relay" in x or "the relayed body ended" in x) for x in events), events
+        assert "it stalled feeding e1" in (report.engines["e0"].remark or ""), report.summary()
         for e in fleet:
             assert e.health()["version"] == 1 and e.holds(new), e.name
-        newer = perturb(new, 2)                     # e0 stalls once: the next push is all relay
+        newer = perturb(new, 2)                     # e0 sits this one out as a leaf: no stall
         report = sync.push(newer, version=2)
         assert report.ok and report.verified, report.summary()
         assert sync.transport.relay_events == [], sync.transport.relay_events
+        assert "relay benched" in (report.engines["e0"].remark or ""), report.summary()
         for e in fleet:
             assert e.health()["version"] == 2 and e.holds(newer), e.name
 

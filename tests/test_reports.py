@@ -21,7 +21,7 @@ FIELDS = {"version", "verified", "logical_bytes", "wire_bytes", "buckets", "tens
           "pause_window", "engines", "digests", "density", "published", "rank", "joined", "left",
           "excluded", "ok", "probe"}
 OUTCOME_FIELDS = {"engine", "ok", "version", "stage", "error", "seconds", "status", "caught_up",
-                  "pause_window", "probe", "peer", "peer_error"}
+                  "pause_window", "probe", "peer", "peer_error", "remark"}
 
 
 def test_to_json_field_by_field(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_to_json_field_by_field(tmp_path: Path) -> None:
     assert o == {"engine": "e", "ok": True, "version": 1, "stage": None, "error": None,
                  "seconds": o["seconds"], "status": "verified", "caught_up": False,
                  "pause_window": o["pause_window"], "probe": None,    # a state dict is not probed
-                 "peer": None, "peer_error": None}
+                 "peer": None, "peer_error": None, "remark": None}
     assert d["probe"] == "skipped: the pushed model is not a causal LM the trainer can score"
     assert 0 < o["seconds"] <= d["seconds"]["total"]
     back = SyncReport.from_json(d)

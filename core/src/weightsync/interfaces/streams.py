@@ -165,6 +165,11 @@ class Transport(Bounded, Component):
         relays returns a plan, and the pipeline then catches such engines up from a peer."""
         return None
 
+    def remarks(self) -> dict[str, str]:
+        """What this push's transport noticed about engines beyond failures (a relay planned as
+        a leaf after it stalled), by engine name; the report shows each."""
+        return {}
+
     alloc: Alloc | None = None
     """Set by transports that want payloads written into their own buffers (shared memory)."""
     announce_ahead: Callable[[Payload, Sequence["Adapter"]], None] | None = None

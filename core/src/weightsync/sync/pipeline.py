@@ -248,7 +248,7 @@ class WeightSync:
     def _bound(self, adapters: list[Adapter], clock: Clock) -> None:
         for a in adapters:
             a.deadline, a.lease = clock.deadline, self.settings.lease
-        self.transport.deadline = clock.deadline
+        self.transport.deadline = clock.sending
 
     def _sync(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,
               clock: Clock) -> None:

@@ -25,6 +25,7 @@ class EngineOutcome:
     pause_window: float = 0.0           # seconds this sync kept the engine paused (0: never, or no answer)
     peer: str | None = None             # caught up by a peer join from this member (None: not)
     peer_error: str | None = None       # why a peer join did not catch it up (the trainer did)
+    remark: str | None = None           # what the transport noticed (a relay demoted, and why)
 
     def fail(self, stage: str, error: str) -> None:
         self.ok, self.stage, self.error, self.status = False, stage, error, "failed"
@@ -87,6 +88,9 @@ class SyncReport:
         for o in self.engines.values():
             if o.peer_error is not None:
                 line += f"\n  {o.engine}: no peer join ({o.peer_error}); whole tensors from the trainer instead"
+        for o in self.engines.values():
+            if o.remark is not None:
+                line += f"\n  {o.engine}: {o.remark}"
         for name, why in self.excluded.items():
             line += f"\n  {name} excluded: {why}"
         return line

@@ -45,6 +45,13 @@ class Clock:
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
+    @property
+    def sending(self) -> float:
+        """When sending must end: the deadline less the time kept for verify and commit (a
+        tenth of it, at most 60 s), so engines that hold every bucket commit even when a relay
+        or a link ate the rest."""
+        return self.deadline - min(self.seconds / 10, 60.0)
+
     def since(self) -> float:
         return time.monotonic() - self.start
 
@@ -285,6 +292,9 @@ class GroupRound:
                                      self.digests, mode=mode, count=count)
             with clock.timed("finish"):
                 active = self.drop(active, self.transport.finish(active), "send")
+            for n, text in self.transport.remarks().items():
+                if n in self.report.engines:
+                    self.report.engines[n].remark = text
             active = self._verify(active, version)
             with clock.timed("commit"):
                 _, fails = self.calls.each(active, lambda a: self._land(a, version))

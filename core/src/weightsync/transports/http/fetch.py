@@ -28,7 +28,7 @@ from weightsync.interfaces import Adapter, Payload, RelaysFetches
 from weightsync.interfaces.capabilities import group_ranks
 from weightsync.transports.http.messages import FetchPayload
 from weightsync.transports.http.pieces import piece_digests
-from weightsync.transports.http.relay import tree
+from weightsync.transports.http.strikes import Strikes, plan
 
 log = logging.getLogger("weightsync.transport.pull")
 
@@ -55,8 +55,10 @@ class FetchRelays:
         self.lock = threading.Lock()
         self.events: list[str] = []
         self.trainer_fetches = 0             # bodies fetched from the trainer (root + fallbacks)
+        self.strikes = Strikes()
 
     def open(self) -> None:
+        self.strikes.open()
         with self.lock:
             self.events = []
 
@@ -81,13 +83,17 @@ class FetchRelays:
                 sources[a.engine_name] = offered
         by = {a.engine_name: a for a in members}
         names = [n for n in by if n in sources]
-        kids = tree(names, self.degree)
+        kids = self.plan(names)
+        names = list(kids)                   # the root first
+        self.strikes.fed([n for n in names if kids[n]])
         parent = {c: p for p, cs in kids.items() for c in cs}
         depth = depths(kids, names[0]) if names else {}
         pieces = piece_digests(body, self.piece_bytes)
         view = memoryview(body.numpy()) if body.numel() else memoryview(b"")
         refs: list[dict[str, Any]] = []
         bad: dict[str, str] = {}
+        stalled: dict[str, str] = {}         # member -> the relay it gave up on
+        fell: set[str] = set()               # members that took bytes from the trainer
 
         def fallback_of(n: str) -> Callable[[Mapping[str, str]], None]:
             def seen(headers: Mapping[str, str]) -> None:
@@ -95,8 +101,11 @@ class FetchRelays:
                 with self.lock:
                     self.trainer_fetches += 1
                 self._note(f"bucket {payload.index}: {n} took bytes from the trainer ({why})")
+                fell.add(n)
                 if why.startswith("tampered:") and n in parent:
                     bad[parent[n]] = n
+                if why.startswith("stalled:") and n in parent:
+                    stalled[n] = parent[n]
             return seen
 
         def counted(_: Mapping[str, str]) -> None:
@@ -141,11 +150,23 @@ class FetchRelays:
         finally:
             for ref in refs:
                 self.bodies.withdraw(ref)
+        for child, relay in stalled.items():   # a relay that itself fell back was starved
+            if relay not in fell:
+                self._demote(relay, f"it stalled feeding {child} in bucket {payload.index}")
         for relay, child in bad.items():
+            self._demote(relay, f"{child} refused what it passed on in bucket {payload.index}")
             fails.setdefault(relay, TransportError(
                 f"as a relay it passed bytes of bucket {payload.index} to {child} that do not "
                 f"match the digests the trainer announced; it is not trusted with this version"))
         return fails
+
+    def plan(self, names: Sequence[str]) -> dict[str, list[str]]:
+        """Who feeds whom among `names` this bucket: relays that misbehaved are leaves."""
+        return plan(names, self.degree, [n for n in names if n in self.strikes.leaves()])
+
+    def _demote(self, name: str, why: str) -> None:
+        if self.strikes.demote(name, why):
+            self._note(f"relay {name} demoted to a leaf: {why}")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

@@ -283,8 +283,10 @@ def relay(session: Any, desk: Desk, header: Mapping[str, Any],
     connection (a relay that stages as it receives is stopped with it)."""
     e = desk.get(header.get("index"))
     if dict(header) != e.header or nbytes != e.nbytes:
-        raise PayloadError(f"relay refused: bucket {e.index}'s header is not the one the trainer "
-                           f"announced to this member")
+        err = Tampered(f"relay refused: bucket {e.index}'s header from relay {e.parent} is not "
+                       f"the one the trainer announced to this member")
+        desk.record(e, entry(e.ack_key, e.index, "tampered", e.parent, error=str(err)))
+        raise err
     streams = session.streams(e.header)
     if streams:
         desk.start(e, cancel)

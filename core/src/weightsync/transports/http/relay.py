@@ -17,7 +17,7 @@ import logging
 import secrets
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import requests
 
@@ -27,26 +27,15 @@ from weightsync.interfaces import Adapter, Endpoint, Payload, RelaysPayloads
 from weightsync.transports.http.messages import ExpectRelay, RelayOutcome
 from weightsync.transports.http.pieces import checked, piece_digests
 from weightsync.transports.http.member_relay import RELAY_HEADER
+from weightsync.transports.http.strikes import Strikes, order, plan
 from weightsync.wire.frame import frame
 
 log = logging.getLogger("weightsync.transport.relay")
 
 
-def tree(names: Sequence[str], degree: int) -> dict[str, list[str]]:
-    """Children per member: names[0] is the root, member k feeds members k*d+1 .. k*d+d
-    (breadth first, so the tree is as shallow as the degree allows)."""
-    return {n: [names[c] for c in range(k * degree + 1, min(len(names), k * degree + degree + 1))]
-            for k, n in enumerate(names)}
-
-
 def _below(kids: dict[str, list[str]], name: str) -> list[str]:
     """Every member under `name` in the tree (not `name` itself)."""
-    out, todo = [], list(kids.get(name, []))
-    while todo:
-        n = todo.pop(0)
-        out.append(n)
-        todo += kids.get(n, [])
-    return out
+    return order(kids, name)[1:]
 
 
 def relay_target(a: Adapter) -> Endpoint | None:
@@ -72,12 +61,18 @@ class Relays:
         self.pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="ws-relay")
         self.lock = threading.Lock()
         self.events: list[str] = []          # what went around the tree (fallbacks, blame)
+        self.strikes = Strikes()
 
     def open(self) -> None:
         with self.lock:
             self.tokens.clear()
             self.keys.clear()
             self.events = []
+        self.strikes.open()
+
+    def plan(self, names: list[str]) -> dict[str, list[str]]:
+        """Who feeds whom among `names` this bucket: relays that misbehaved are leaves."""
+        return plan(names, self.degree, [n for n in names if n in self.strikes.leaves()])
 
     def _secret(self, table: dict[str, str], name: str) -> str:
         with self.lock:
@@ -88,10 +83,10 @@ class Relays:
         with self.lock:
             self.events.append(msg)
 
-    def _announce(self, payload: Payload, pieces: list[str], names: list[str],
+    def _announce(self, payload: Payload, pieces: list[str], kids: dict[str, list[str]],
                   by: dict[str, Adapter], left: Callable[[], float]) -> dict[str, BaseException]:
-        """Tell every member of the tree over `names` what bucket `payload.index` is."""
-        kids = tree(names, self.degree)
+        """Tell every member of the tree `kids` what bucket `payload.index` is."""
+        names = list(kids)
         parent = {c: p for p, cs in kids.items() for c in cs}
         header = payload.header()
         targets = {n: _target(by[n]) for n in names}
@@ -123,15 +118,17 @@ class Relays:
         forwarded tampered bytes."""
         by = {a.engine_name: a for a in members}
         pieces = piece_digests(body, self.piece_bytes)
-        names = list(by)
-        refused = self._announce(payload, pieces, names, by, left)
+        kids = self.plan(list(by))
+        refused = self._announce(payload, pieces, kids, by, left)
         if refused:                         # plan again without them (their expects failed)
-            names = [n for n in names if n not in refused]
-            if names:
-                refused.update(self._announce(payload, pieces, names, by, left))
-                names = [n for n in names if n not in refused]
-        kids = tree(names, self.degree)
+            kids = self.plan([n for n in kids if n not in refused])
+            if kids:
+                refused.update(self._announce(payload, pieces, kids, by, left))
+                kids = self.plan([n for n in kids if n not in refused])
+        names = order(kids, next(iter(kids))) if kids else []
         parent = {c: p for p, cs in kids.items() for c in cs}
+        self.strikes.fed([n for n in names if kids[n]])
+        stalls: dict[str, str] = {}         # member -> the relay it gave up on
         fails: dict[str, BaseException] = {}
         waits: dict[Future[Any], str] = {
             self.pool.submit(self._answer, by[n], payload.index, left): n for n in names}
@@ -170,17 +167,22 @@ class Relays:
             status = checked(self.keys.get(n, ""), payload.index, got)
             if status == ("ok", payload.digest):
                 continue
+            why = got.get("error") if isinstance(got, Mapping) else None
             if status is not None and status[0] == "tampered" and n in parent:
                 p = parent[n]
                 self._note(f"bucket {payload.index}: {n} refused bytes relayed by {p}")
+                self._demote(p, f"{n} refused what it relayed in bucket {payload.index}")
                 fails[p] = TransportError(
                     f"as a relay it forwarded bytes of bucket {payload.index} to {n} that do not "
-                    f"match the digests the trainer announced; it is not trusted with this "
-                    f"version")
-            why = got.get("error") if isinstance(got, Mapping) else None
+                    f"match the digests the trainer announced ({str(why)[:300]}); it is not "
+                    f"trusted with this version")
             if status is None and isinstance(why, str) and why.startswith("stalled:") and n in parent:
                 self._note(f"bucket {payload.index}: relay {parent[n]} stalled feeding {n}")
+                stalls[n] = parent[n]
             feed(n, str(why or status or "its answer was not signed by it"))
+        for n, p in stalls.items():         # a relay fed directly itself was starved, not slow
+            if p not in jobs:
+                self._demote(p, f"it stalled feeding {n} in bucket {payload.index}")
         for n, f in jobs.items():
             if n in fails:
                 continue
@@ -191,6 +193,10 @@ class Relays:
                                           f"relay tree ({f.reason}), and the trainer's own send "  # type: ignore[attr-defined]
                                           f"failed too: {type(e).__name__}: {e}")
         return fails
+
+    def _demote(self, name: str, why: str) -> None:
+        if self.strikes.demote(name, why):
+            self._note(f"relay {name} demoted to a leaf: {why}")
 
     def _feed_root(self, payload: Payload, body: Any, root: Adapter,
                    post: Callable[[Adapter, Any, float], Any], left: Callable[[], float]

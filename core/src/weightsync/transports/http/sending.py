@@ -26,7 +26,7 @@ from weightsync.interfaces import (Adapter, Payload, RelaysFetches, ServesPayloa
                                    TransportReceiver)
 from weightsync.wire.frame import frame
 from weightsync.transports.http.fetch import FetchRelays
-from weightsync.transports.http.relay import Relays, relay_target, tree
+from weightsync.transports.http.relay import Relays, relay_target
 
 
 class HttpOptions(BaseModel):
@@ -265,7 +265,13 @@ class HttpTransport(Transport):
         if self._relays is None:
             return None
         names = [a.engine_name for a in engines if relay_target(a) is not None]
-        return tree(names, self._relays.degree) if len(names) >= 2 else {}
+        return self._relays.plan(names) if len(names) >= 2 else {}
+
+    def remarks(self) -> dict[str, str]:
+        """Relays planned as leaves this push, and why."""
+        if self._relays is None or self._fetches is None:
+            return {}
+        return {**self._fetches.strikes.remarks(), **self._relays.strikes.remarks()}
 
     def close(self) -> None:
         self._collect(wait=True)
