@@ -64,13 +64,14 @@ from safetensors.torch import save
 
 from weightsync.errors import PayloadError
 from weightsync.interfaces.sampling import SamplingParams
+from weightsync.net.caller import hung_up
 from weightsync.net.fields import json_int
 from weightsync.net.server import HttpError, Routes, Server, make_server as make_http_server
 from weightsync.net.keys import resolve_key, warn_if_open
 from weightsync.net.server import MiB
 from weightsync.wire.frame import read_frame_header
 from weightsync_reference.server.engine import ReferenceEngine
-from weightsync_reference.server.generation import VersionGate
+from weightsync_reference.server.generation import HungUp, VersionGate
 
 log = logging.getLogger("weightsync_reference.server")
 ROUND_HEADER = "X-Weightsync-Round"
@@ -130,9 +131,13 @@ def _generate(h: Any, q: dict) -> Any:
     try:
         samples = h.engine.generate(
             ids, params, min_version=_int_or_none(body.get("min_version"), "min_version"),
-            exact_version=_int_or_none(body.get("exact_version"), "exact_version"), wait=float(wait))
+            exact_version=_int_or_none(body.get("exact_version"), "exact_version"), wait=float(wait),
+            gone=lambda: hung_up(h.connection))
     except VersionGate as e:
         raise HttpError(409, str(e), weight_version=e.held) from None
+    except HungUp:
+        h.close_connection = True
+        raise HttpError(499, "the caller hung up; nothing was generated for it") from None
     first = samples[0]
     return {**first, "version": first["weight_version"], "samples": samples}
 

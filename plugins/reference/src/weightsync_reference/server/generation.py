@@ -17,6 +17,10 @@ class Conflict(Conflict409):
     """The request does not fit the engine's current state (HTTP 409)."""
 
 
+class HungUp(Exception):
+    """The caller closed its connection: the request's rows stop, nothing is answered."""
+
+
 class VersionGate(Conflict):
     """A generation asked for a version this engine does not hold (HTTP 409 with the version)."""
 
@@ -41,12 +45,15 @@ class Generation:
     # -- generation -------------------------------------------------------------------------
     def generate(self, ids: list[int], params: SamplingParams, *, min_version: int | None = None,
                  exact_version: int | None = None, wait: float = 0.0,
-                 timeout: float = 600.0) -> list[dict[str, Any]]:
+                 timeout: float = 600.0, gone: Callable[[], bool] | None = None
+                 ) -> list[dict[str, Any]]:
         """`params.n` samples of `ids` with the logprob of every token, batched with whatever
         else is waiting. With `min_version` / `exact_version` it first waits up to `wait` seconds
         for a fitting version, else answers 409 with the version it holds; an exact request whose
         weights change while it runs is answered 409 as well, never with tokens of two versions.
-        Other samples that span a commit carry both versions."""
+        Other samples that span a commit carry both versions. `gone` says the caller hung up:
+        the request's rows then stop at the next token (a router cancelled it, or moved it away
+        from this engine), so the batch's other requests go on without them."""
         if self.model.module is None:
             raise Conflict("this is a weights-only engine (no config.json); it cannot generate")
         if not ids:
@@ -57,7 +64,13 @@ class Generation:
             raise PayloadError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
         self._gate(min_version, exact_version, wait)
 
+        seen = [time.monotonic()]
+
         def check(version: int) -> None:
+            if gone is not None and time.monotonic() - seen[0] >= 0.05:
+                seen[0] = time.monotonic()
+                if gone():
+                    raise HungUp("the caller hung up")
             if exact_version is not None and version != exact_version:
                 raise VersionGate(f"the weights changed from version {exact_version} to "
                                   f"{version} during generation; retry", version)

@@ -5,10 +5,10 @@ The data they carry (`SamplingParams`, `Gate`, `Sample`) is `weightsync.interfac
 
 from weightsync.interfaces.sampling import (Gate, NotFitting, Sample, SamplingParams, StaleEngines,
                                             Unsupported)
-from weightsync_rl.rollout.client import RolloutClient
+from weightsync_rl.rollout.client import Cancelled, RolloutClient
 from weightsync_rl.rollout.remote import RouterClient
 from weightsync_rl.rollout.router import RolloutRouter
 from weightsync_rl.rollout.sampler import Sampler, sampler_for, samplers
 
-__all__ = ["Gate", "NotFitting", "RolloutClient", "RolloutRouter", "RouterClient", "Sample",
+__all__ = ["Cancelled", "Gate", "NotFitting", "RolloutClient", "RolloutRouter", "RouterClient", "Sample",
            "Sampler", "SamplingParams", "StaleEngines", "Unsupported", "sampler_for", "samplers"]

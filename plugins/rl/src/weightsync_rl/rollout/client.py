@@ -11,7 +11,11 @@ refused before anything is sent.
 Requests go to the member with the fewest outstanding requests among those whose last known
 version fits. Engines that gate on the server (the reference engine) wait there; for the others
 the client reads the version before and after. A sample that spans a swap is regenerated (it is
-never reported as one version) unless `mixed="keep"`, which returns it with both versions."""
+never reported as one version) unless `mixed="keep"`, which returns it with both versions.
+
+A prompt whose engine answers nothing for `stuck` seconds (frozen, or its member left the
+fleet) is cancelled there and sent to another engine (`liveness`); a call whose `cancel` event
+is set (its caller went away) is cancelled on the engines and raises `Cancelled`."""
 
 from __future__ import annotations
 
@@ -21,11 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import requests
+
 from weightsync.config import EngineSpec
 from weightsync.errors import EngineError, WeightSyncError
 from weightsync.interfaces import Adapter, Fleet, Member
 from weightsync.interfaces.sampling import (Gate, NotFitting, Refused, Sample, SamplingParams,
                                             StaleEngines, Unsupported)
+from weightsync_rl.rollout.cancel import mount
+from weightsync_rl.rollout.liveness import Liveness
 from weightsync_rl.rollout.sampler import Sampler, sampler_for
 
 MembersSource = Callable[[], list[Member]]
@@ -44,6 +52,15 @@ class _Slot:
     down_until: float = 0.0
     last_error: str | None = None
     served: int = field(default=0)
+    alive_at: float = 0.0               # the last time it answered anything
+
+
+class _Moved(Exception):
+    """The engine stopped answering while it held the prompt: it goes to another engine."""
+
+
+class Cancelled(WeightSyncError):
+    """The caller of a `sample` went away (its `cancel` event was set); the engines were told."""
 
 
 class RolloutClient:
@@ -60,7 +77,7 @@ class RolloutClient:
     def __init__(self, engines: Iterable[dict[str, Any] | EngineSpec] | None = None, *,
                  fleet: Fleet | MembersSource | None = None, adapter: str = "reference",
                  staleness: int = 0, refresh: float = 1.0, workers: int = 32,
-                 components: Any = None) -> None:
+                 components: Any = None, stuck: float = 10.0) -> None:
         if (engines is None) == (fleet is None):
             raise ValueError("RolloutClient takes either `engines` or `fleet`")
         if engines is not None:
@@ -84,13 +101,18 @@ class RolloutClient:
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ws-rollout")
         self.refused_mixed = 0                  # samples regenerated because they spanned a swap
+        self.liveness = Liveness(stuck, self.slots)
+        self.moved = 0                          # prompts moved off an engine that stopped answering
 
     # -- members --------------------------------------------------------------------------------
     def _adapter(self, m: Member) -> tuple[str, Adapter]:
         ref = m.spec.adapter.kind if m.spec.adapter is not None else self.default_adapter
         cls = self.components.adapters.get(ref)
         options = {**(m.spec.adapter.options if m.spec.adapter else {}), **m.spec.options}
-        return ref, cls(cls.Options.model_validate(options), m.spec)
+        adapter = cls(cls.Options.model_validate(options), m.spec)
+        if isinstance(getattr(adapter, "session", None), requests.Session):
+            mount(adapter.session)           # its generations can be cancelled
+        return ref, adapter
 
     def slots(self) -> list[_Slot]:
         """The members now, re-read from the source at most every `refresh` seconds."""
@@ -129,14 +151,16 @@ class RolloutClient:
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, prompts: list[list[int]], params: SamplingParams | dict[str, Any] | None = None,
                *, min_version: int | None = None, exact_version: int | None = None,
-               wait: float = 30.0, mixed: str = "retry", retries: int = 3) -> list[Sample]:
+               wait: float = 30.0, mixed: str = "retry", retries: int = 3,
+               cancel: threading.Event | None = None) -> list[Sample]:
         """`params.n` Samples per prompt (in prompt order, `prompt_index` set), each from one
         member holding a fitting version: at least `min_version` minus the client's staleness,
         or exactly `exact_version`. Raises StaleEngines (naming what each member holds) when no
         member could serve a prompt within `wait` seconds, Unsupported when a member cannot
         honour a parameter. With a `seed`, prompt j is asked with seed `seed + j * n` (so its
         sample i has `seed + j * n + i`): no two samples of one call share a seed, even for two
-        equal prompts, and the call is reproducible as a whole."""
+        equal prompts, and the call is reproducible as a whole. Setting `cancel` stops the call:
+        its generations are cancelled on the engines and it raises Cancelled."""
         if mixed not in ("retry", "keep"):
             raise ValueError(f"mixed={mixed!r}: use 'retry' or 'keep'")
         p = params if isinstance(params, SamplingParams) else SamplingParams.model_validate(params or {})
@@ -145,9 +169,16 @@ class RolloutClient:
         gate = Gate(min_version=min_version, exact_version=exact_version, wait=wait)
         def params_of(j: int) -> SamplingParams:
             return p if p.seed is None else p.model_copy(update={"seed": p.seed + j * p.n})
-        futures = [self._pool.submit(self._one, i, list(ids), params_of(i), gate, mixed, retries)
-                   for i, ids in enumerate(prompts)]
-        return [s for f in futures for s in f.result()]
+        futures = [self._pool.submit(self._one, i, list(ids), params_of(i), gate, mixed, retries,
+                                     cancel) for i, ids in enumerate(prompts)]
+        try:
+            return [s for f in futures for s in f.result()]
+        except BaseException:
+            if cancel is not None:
+                cancel.set()                 # the other prompts stop too
+            for f in futures:
+                f.cancel()
+            raise
 
     def generate(self, input_ids: list[int], max_new_tokens: int, *, min_version: int | None = None,
                  exact_version: int | None = None, wait: float = 30.0) -> dict[str, Any]:
@@ -172,11 +203,13 @@ class RolloutClient:
         return best
 
     def _one(self, index: int, ids: list[int], p: SamplingParams, gate: Gate, mixed: str,
-             retries: int) -> list[Sample]:
+             retries: int, cancel: threading.Event | None = None) -> list[Sample]:
         deadline = time.monotonic() + gate.wait
         tried: set[str] = set()
         mixed_left = retries
         while True:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"prompt {index}: the caller went away")
             slot = self._pick(gate, tried)
             if slot is None:
                 if time.monotonic() >= deadline:
@@ -197,7 +230,14 @@ class RolloutClient:
                     raise Unsupported(f"{slot.name} ({slot.adapter.name}) cannot honour "
                                       f"{sorted(missing)}; it honours {sorted(sampler.sampling)}")
                 left = max(0.0, deadline - time.monotonic())
-                out = sampler.generate(ids, p, gate.model_copy(update={"wait": left}))
+                out = self._generate(slot, sampler, ids, p, gate.model_copy(update={"wait": left}),
+                                     cancel)
+            except _Moved as e:
+                self.moved += 1
+                slot.last_error = str(e)[:200]
+                slot.down_until = time.monotonic() + self.liveness.stuck
+                tried.add(slot.name)
+                continue
             except NotFitting as e:
                 slot.version = e.held        # a fitting version refused says why (its probe)
                 slot.last_error = str(e)[:300] if gate.fits(e.held) else None
@@ -235,7 +275,30 @@ class RolloutClient:
                 s.prompt_index = index
             return out
 
+    def _generate(self, slot: _Slot, sampler: Sampler, ids: list[int], p: SamplingParams,
+                  gate: Gate, cancel: threading.Event | None) -> list[Sample]:
+        """One generation on `slot`, cancellable: by the liveness watcher (the engine stopped
+        answering: `_Moved`) or by `cancel` (`Cancelled`)."""
+        scope = self.liveness.begin(slot, cancel)
+        answered = False
+        try:
+            with scope.active():
+                out = sampler.generate(ids, p, gate)
+            answered = True
+            return out
+        except (WeightSyncError, OSError) as e:
+            answered = isinstance(e, NotFitting) or getattr(e, "status", None) is not None
+            if scope.why == "cancelled":
+                raise Cancelled("the caller went away; its generation was cancelled on "
+                                "the engine") from None
+            if scope.why not in (None, "done"):
+                raise _Moved(str(scope.why)) from None
+            raise
+        finally:
+            self.liveness.end(slot, scope, answered)
+
     def close(self) -> None:
+        self.liveness.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for s in self._slots.values():
             s.adapter.close()

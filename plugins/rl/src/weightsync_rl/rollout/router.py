@@ -10,7 +10,9 @@ agent framework talks to one opaque endpoint while engines join, die and fall be
                    400 for bad parameters, one an engine cannot honour, or a request an engine
                    refused as malformed (its 4xx; the engine is not marked down); 413 for a
                    body over `MAX_BODY` or more than `max_tokens` tokens asked for (prompts x n x
-                   max_new_tokens)
+                   max_new_tokens). A caller that hangs up has its generations cancelled on the
+                   engines; a prompt whose engine stops answering moves to another (the
+                   client's `stuck`)
   GET  /members    -> {"members": {name: version or why not}}
   GET  /health     -> {"status": "ok", "members": n}   (no key needed)
 
@@ -27,8 +29,9 @@ from pydantic import ValidationError
 
 from weightsync.errors import ConfigError
 from weightsync.interfaces.sampling import Refused, SamplingParams, StaleEngines, Unsupported
+from weightsync.net.caller import hung_up
 from weightsync.net.server import MiB, HttpError, Routes, Server, make_server
-from weightsync_rl.rollout.client import RolloutClient
+from weightsync_rl.rollout.client import Cancelled, RolloutClient
 
 log = logging.getLogger("weightsync_rl.router")
 routes = Routes()
@@ -88,15 +91,32 @@ def _generate(h: Any, q: dict) -> Any:
         raise HttpError(413, f"this request asks for {asked} tokens ({len(prompts)} prompts x n "
                              f"{params.n} x max_new_tokens {params.max_new_tokens}); the router "
                              f"takes at most {h.max_tokens} per request: split it")
+    cancel, done = threading.Event(), threading.Event()
+    threading.Thread(target=_watch_caller, args=(h.connection, cancel, done), daemon=True,
+                     name="ws-router-caller").start()
     try:
         samples = h.client.sample(prompts, params, min_version=_opt_int(body, "min_version"),
                                   exact_version=_opt_int(body, "exact_version"),
-                                  wait=float(wait), mixed=mixed)
+                                  wait=float(wait), mixed=mixed, cancel=cancel)
+    except Cancelled:
+        h.close_connection = True
+        raise HttpError(499, "the caller hung up; its generations were cancelled") from None
     except StaleEngines as e:
         raise HttpError(503, str(e), held=e.held) from None
     except (Unsupported, Refused) as e:
         raise HttpError(400, str(e)) from None
+    finally:
+        done.set()
     return {"samples": [s.to_json() for s in samples]}
+
+
+def _watch_caller(sock: Any, cancel: threading.Event, done: threading.Event) -> None:
+    """Until the request is answered: a caller that hung up cancels its generations."""
+    while not done.wait(0.2):
+        if hung_up(sock):
+            log.info("a caller hung up; its generations are cancelled")
+            cancel.set()
+            return
 
 
 class RolloutRouter:
