@@ -24,10 +24,11 @@ def _route(args: argparse.Namespace) -> int:
         fleet = cls(cls.Options.model_validate({"url": args.fleet, "api_key": args.fleet_key,
                                                 "trainer_key_file": args.fleet_trainer_key_file}))
         fleet.open(components, None)
-        client = RolloutClient(fleet=fleet, adapter=args.adapter, components=components)
+        client = RolloutClient(fleet=fleet, adapter=args.adapter, components=components,
+                               stuck=args.stuck)
     else:
         client = RolloutClient([{"url": u, "adapter": args.adapter} for u in args.engine],
-                               components=components)
+                               components=components, stuck=args.stuck)
     from weightsync.errors import ConfigError
     try:
         router = RolloutRouter(client, args.host, args.port,
@@ -87,5 +88,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "reaches the router generates on the fleet)")
     sp.add_argument("--max-tokens", type=int, default=1 << 22, help="tokens one request may ask "
                     "for (prompts x n x max_new_tokens); larger ones are a 413")
+    sp.add_argument("--stuck", type=float, default=10.0, help="seconds an engine holding a "
+                    "prompt may answer nothing (not even /health) before the prompt moves to "
+                    "another engine")
     sp.set_defaults(fn=_route)
 
