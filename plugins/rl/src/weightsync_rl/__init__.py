@@ -9,12 +9,13 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from weightsync_rl.loop import RLLoop, StepStats
+    from weightsync_rl.loop import PushesFailed, RLLoop, StepStats
     from weightsync_rl.task import CountingTask
 
 __version__ = "0.2.0"   # the one source: hatch reads it for the distribution's version
 
-_LAZY = {"RLLoop": "weightsync_rl.loop", "StepStats": "weightsync_rl.loop",
+_LAZY = {"PushesFailed": "weightsync_rl.loop", "RLLoop": "weightsync_rl.loop",
+         "StepStats": "weightsync_rl.loop",
          "CountingTask": "weightsync_rl.task"}
 
 
@@ -29,4 +30,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["CountingTask", "RLLoop", "StepStats"]
+__all__ = ["CountingTask", "PushesFailed", "RLLoop", "StepStats"]

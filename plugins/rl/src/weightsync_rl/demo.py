@@ -112,7 +112,9 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
                           CountingTask(seed=1), SamplingParams(n=GROUP, temperature=1.0,
                                                                max_new_tokens=4, seed=SEED),
                           prompts_per_step=PROMPTS, mode=mode, epochs=EPOCHS,
-                          busy=lambda: _busy(sync, components))
+                          busy=lambda: _busy(sync, components),
+                          # the control run's pushes never land on purpose: it must not stop
+                          max_failed_pushes=3 if push else None)
             stats = []
             stop_at = steps // 2
             # the step size decays linearly to 0 over the run: at a constant one the policy

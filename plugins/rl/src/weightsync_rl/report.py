@@ -24,6 +24,7 @@ def print_step(st: StepStats) -> None:
     note = f" | {st.error}" if st.error else ""
     print(f"step {st.step:>3}: reward {st.reward:.3f} | {st.samples} samples"
           f"{f' ({st.dropped} stale dropped)' if st.dropped else ''}"
+          f"{f' ({st.unknown} of unknown versions)' if st.unknown else ''}"
           f"{f' ({st.mixed} across a swap)' if st.mixed else ''} staleness {st.staleness:.2f}"
           f" | gap mean {st.gap_mean:.2e} max {st.gap_max:.2e} | sync {st.sync_seconds:.3f}s "
           f"pause {st.pause_window:.3f}s{' verified' if st.verified else ''}{busy}{note}",
