@@ -132,6 +132,10 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--name", default=None, help="member name (default: the URL's host:port)")
     sp.add_argument("--options", default="{}", help="adapter options as JSON")
     sp.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the engine's health")
+    sp.add_argument("--rollout-key-file", default=None, metavar="FILE",
+                    help="a key of the engine that opens generation only (or $WEIGHTSYNC_ROLLOUT_KEY; vLLM: its --api-key, "
+                    "when its update routes take WEIGHTSYNC_VLLM_TOKEN): what a rollout router "
+                    "is given by the registry")
     sp.set_defaults(fn=_join)
 
     fp = sub.add_parser("fleet", help="the fleet registry: serve it, list its members",
@@ -144,6 +148,9 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--trainer-key-file", default=None,
                     help="the trainer's key (or $WEIGHTSYNC_FLEET_TRAINER_KEY): only it reads the "
                          "members' engine keys and reports pushes")
+    sp.add_argument("--router-key-file", default=None,
+                    help="the rollout router's key (or $WEIGHTSYNC_FLEET_ROUTER_KEY): it reads "
+                         "the members' rollout keys (generation only) and nothing else")
     sp.add_argument("--state-file", default=None,
                     help="keep the fleet's version, digests and name bindings in this file "
                     "across restarts")

@@ -20,11 +20,13 @@ class RegistryError(WeightSyncError):
 
 class RegistryClient:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0,
-                 trainer_key: str | None = None) -> None:
+                 trainer_key: str | None = None, router_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.headers = auth_headers(api_key)
         if trainer_key:
             self.headers["X-Weightsync-Trainer"] = trainer_key
+        if router_key:
+            self.headers["X-Weightsync-Router"] = router_key
         self.timeout = timeout
         self.session = requests.Session()
 

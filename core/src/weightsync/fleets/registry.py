@@ -27,6 +27,11 @@ class RegistryOptions(BaseModel):
     trainer_key: str | None = Field(None, description="with `url`: the registry's trainer key "
                                                       "(reads engine keys, reports pushes)")
     trainer_key_file: str | None = Field(None, description="read the trainer key from this file")
+    router_key: str | None = Field(None, description="the registry's router key: it reads the "
+                                                     "members' rollout keys (generation only); "
+                                                     "with `url` and no trainer key, the members "
+                                                     "this fleet lists are those, for a router")
+    router_key_file: str | None = Field(None, description="read the router key from this file")
     state_file: str | None = Field(None, description="keep the fleet's version, digests and "
                                                      "name bindings in this file (a restarted "
                                                      "trainer resumes them)")
@@ -56,14 +61,17 @@ class RegistryFleet(Fleet):
         self.service: Any = None
         self.client: RegistryClient | None = None
         self.url: str | None = None
+        self.rollouts_only = False           # a router's view: rollout keys, not engine keys
 
     def open(self, components: Any, default_adapter: Any) -> None:
         o = self.options
         key = resolve_key(o.api_key, o.api_key_file, env="WEIGHTSYNC_FLEET_KEY")
+        router = resolve_key(o.router_key, o.router_key_file, env="WEIGHTSYNC_FLEET_ROUTER_KEY")
         if o.url:
             trainer = resolve_key(o.trainer_key, o.trainer_key_file,
                                   env="WEIGHTSYNC_FLEET_TRAINER_KEY")
-            self.client = RegistryClient(o.url, key, trainer_key=trainer)
+            self.client = RegistryClient(o.url, key, trainer_key=trainer, router_key=router)
+            self.rollouts_only = router is not None and trainer is None
             self.url = o.url
             return
         from weightsync.net.keys import warn_if_open
@@ -71,7 +79,8 @@ class RegistryFleet(Fleet):
         require_key(key, o.insecure)
         self.service = RegistryService(components, lease=o.lease, api_key=key,
                                        peer_join=o.peer_join, health_check=o.health_check,
-                                       default_adapter=default_adapter, state_file=o.state_file)
+                                       default_adapter=default_adapter, state_file=o.state_file,
+                                       router_key=router)
         warn_if_open(o.host, key, "the fleet registry")
         self.url = self.service.start(o.host, o.port)
 
@@ -86,6 +95,8 @@ class RegistryFleet(Fleet):
         if self.service is not None:
             return self.service.members()
         assert self.client is not None
+        if self.rollouts_only:
+            return self._rollout_members()
         out = []
         for m in self.client._call("GET", "/fleet?with_keys=1")["members"]:
             reg = m.get("registration") or {}
@@ -93,6 +104,18 @@ class RegistryFleet(Fleet):
                 spec = EngineSpec(url=reg["url"], name=reg["name"], api_key=reg.get("api_key"),
                                   adapter=ComponentRef.model_validate(reg.get("adapter") or "reference"),
                                   options=reg.get("options") or {})
+                out.append(Member(m["name"], spec, m.get("version"), {"state": m["state"]}))
+        return out
+
+    def _rollout_members(self) -> list[Member]:
+        """Engine members as a router may call them: URL, adapter kind, rollout key."""
+        assert self.client is not None
+        out = []
+        for m in self.client._call("GET", "/fleet?rollouts=1")["members"]:
+            r = m["rollout"]
+            if m["state"] in ("live", "behind"):
+                spec = EngineSpec(url=r["url"], name=m["name"], api_key=r.get("api_key"),
+                                  adapter=ComponentRef(kind=r["adapter"]))
                 out.append(Member(m["name"], spec, m.get("version"), {"state": m["state"]}))
         return out
 

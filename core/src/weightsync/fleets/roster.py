@@ -48,6 +48,7 @@ class Registration(BaseModel):
     adapter: ComponentRef = ComponentRef(kind="reference")
     options: dict[str, Any] = Field(default_factory=dict)
     api_key: str | None = None
+    rollout_key: str | None = None     # opens the engine's generation routes only (a router's)
     group_size: int = Field(1, ge=1, le=4096)
     version: int | None = Field(None, ge=0)
     role: Literal["engine", "host"] = "engine"     # host: a disk puller, never pushed to

@@ -10,13 +10,17 @@ part in pushes. Runs inside the trainer (`fleet: {kind: registry}`) or on its ow
   GET  /fleet             {"version": current, "lease": s, "members": [...]}
                           (?with_keys=1: with each member's registration, engine key included;
                           trainer only: header X-Weightsync-Trainer)
+                          (?rollouts=1: each engine member's URL, adapter kind and rollout key,
+                          which opens generation only; header X-Weightsync-Router, the router
+                          key, or the trainer key)
   POST /fleet/synced      {"version": v, "versions": {name: v}, "anchor": [[names], digest]...}:
                           what a push did, and its digests for peer joins (trainer only)
 
 Every route needs the registry's API key (the fleet key). The fleet key lets a process register
 *itself*; what it gets back is a credential of its own, which every later call about that member
 must carry. The members' engine keys and the fleet's version are the trainer's: only a caller
-with the trainer key reads the keys or reports a push."""
+with the trainer key reads the keys or reports a push. A rollout router holds the router key:
+it reads the members' rollout keys (generation only) and nothing else."""
 
 from __future__ import annotations
 
@@ -47,11 +51,13 @@ class RegistryService:
     def __init__(self, components: Any, *, lease: float = 10.0, api_key: str | None = None,
                  peer_join: bool = True, health_check: bool = True,
                  default_adapter: ComponentRef | None = None, peer_ttl: float = 600.0,
-                 trainer_key: str | None = None, state_file: str | None = None) -> None:
+                 trainer_key: str | None = None, state_file: str | None = None,
+                 router_key: str | None = None) -> None:
         self.components = components
         self.roster = Roster(lease)
         self.api_key = api_key
         self.trainer_key = trainer_key           # reads engine keys, reports pushes
+        self.router_key = router_key             # reads rollout keys (generation only)
         self.anchors: dict[int, list[Any]] = {}  # version -> the trainer's [[names], digest]s
         self.state_file = Path(state_file) if state_file else None
         self.health_check = health_check
@@ -156,9 +162,11 @@ class RegistryService:
         self._save_state()
         self.catchup.poke()
 
-    def is_trainer(self, got: str | None) -> bool:
-        return bool(self.trainer_key) and isinstance(got, str) and hmac.compare_digest(
-            got.encode("utf-8", "surrogateescape"), str(self.trainer_key).encode())
+    def is_trainer(self, got: str | None, key: str | None = None) -> bool:
+        """`got` is the trainer key (or `key`, when given: the router key)."""
+        want = key if key is not None else self.trainer_key
+        return bool(want) and isinstance(got, str) and hmac.compare_digest(
+            got.encode("utf-8", "surrogateescape"), str(want).encode())
 
     def register(self, raw: Any, *, credential: str | None = None) -> dict[str, Any]:
         try:
@@ -276,6 +284,8 @@ def _health(h: Any, q: dict) -> Any:
 @routes.add("GET", "/fleet", max_body=0)
 def _fleet(h: Any, q: dict) -> Any:
     view = h.service.roster.view()
+    if q.get("rollouts", ["0"])[0] == "1":
+        return _rollouts(h, view)
     if q.get("with_keys", ["0"])[0] == "1":
         _trainer_only(h, "reading the members' engine keys")
         with h.service.roster.lock:
@@ -285,6 +295,27 @@ def _fleet(h: Any, q: dict) -> Any:
             if r is not None:
                 m["registration"] = r.model_dump(mode="json")
     return view
+
+
+def _rollouts(h: Any, view: dict[str, Any]) -> Any:
+    """What a rollout router needs of each engine member: its URL, adapter kind and rollout key
+    (never its engine key or options). Members with an engine key but no rollout key are left
+    out: the router could not call them."""
+    svc = h.service
+    if not (svc.is_trainer(h.headers.get("X-Weightsync-Trainer"))
+            or svc.is_trainer(h.headers.get("X-Weightsync-Router"), svc.router_key or "")):
+        raise HttpError(403, "the members' rollout keys are for the router: send the registry's "
+                             "router key in X-Weightsync-Router (`weightsync fleet serve "
+                             "--router-key-file`, the fleet option router_key_file)")
+    with svc.roster.lock:
+        regs = {m.reg.name: m.reg for m in svc.roster.members.values()}
+    out = []
+    for m in view["members"]:
+        r = regs.get(m["name"])
+        if r is not None and m["role"] == "engine" and (r.rollout_key or not r.api_key):
+            out.append({**m, "rollout": {"url": r.url, "adapter": r.adapter.kind,
+                                         "api_key": r.rollout_key}})
+    return {**view, "members": out}
 
 
 @routes.add("POST", "/fleet/synced", max_body=16 * 2**20)

@@ -45,7 +45,9 @@ def run_sidecar(args: Any) -> int:
     wait_healthy(adapter.health, args.wait, f"engine {name} at {args.url}")
     member = Membership(args.fleet, resolve_key(args.fleet_key, None, env="WEIGHTSYNC_FLEET_KEY"),
                         {"name": name, "url": args.url, "adapter": {"kind": args.engine},
-                         "options": options, "api_key": key},
+                         "options": options, "api_key": key,
+                         "rollout_key": resolve_key(None, args.rollout_key_file,
+                                                    env="WEIGHTSYNC_ROLLOUT_KEY")},
                         version=lambda: _version(adapter),
                         credential_file=args.fleet_credential_file)
     member.start()
@@ -81,7 +83,9 @@ def run_registry(args: Any) -> int:
               "no trainer can read the members' engine keys from this registry", flush=True)
     service = RegistryService(load_components(), lease=args.lease, api_key=key,
                               peer_join=not args.no_peer_join, trainer_key=trainer,
-                              state_file=args.state_file)
+                              state_file=args.state_file,
+                              router_key=resolve_key(None, args.router_key_file,
+                                                     env="WEIGHTSYNC_FLEET_ROUTER_KEY"))
     warn_if_open(args.host, key, "the fleet registry")
     url = service.start(args.host, args.port)
     print(f"weightsync fleet registry serving on {url}", flush=True)

@@ -73,6 +73,7 @@ class Route:
     fn: Callable[["Handler", dict[str, list[str]]], Any]
     auth: bool = True
     max_body: int | Callable[[], int] = MiB          # bytes, or a function of the server's state
+    keys: tuple[str, ...] = ()           # handler attributes holding keys it takes beside api_key
 
     def cap(self) -> int:
         return self.max_body() if callable(self.max_body) else self.max_body
@@ -85,9 +86,10 @@ class Routes:
         self.table: dict[tuple[str, str], Route] = {}
 
     def add(self, method: str, path: str, *, auth: bool = True,
-            max_body: int | Callable[[], int] = MiB) -> Callable[[Any], Any]:
+            max_body: int | Callable[[], int] = MiB, keys: tuple[str, ...] = ()
+            ) -> Callable[[Any], Any]:
         def deco(fn: Any) -> Any:
-            self.table[(method, path)] = Route(fn, auth, max_body)
+            self.table[(method, path)] = Route(fn, auth, max_body, keys)
             return fn
         return deco
 
@@ -209,15 +211,13 @@ class Handler(BaseHTTPRequestHandler):
             self.discard_body()
         self.send_error_json(status, message, **extra)
 
-    def authorized(self) -> bool:
+    def authorized(self, keys: tuple[str, ...] = ()) -> bool:
+        """The API key, or one of the route's own narrower keys (`Routes.add(keys=...)`)."""
         if not self.api_key:
             return True
-        got = self.headers.get("Authorization", "")
-        try:
-            return hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
-                                       f"Bearer {self.api_key}".encode())
-        except (TypeError, ValueError):
-            return False
+        got = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        want = [self.api_key, *(k for k in (getattr(self, a, None) for a in keys) if k)]
+        return any(hmac.compare_digest(got, f"Bearer {k}".encode()) for k in want)
 
     # -- connections --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -252,7 +252,7 @@ class Handler(BaseHTTPRequestHandler):
             if route is None:
                 self.discard_body()
                 raise HttpError(404, f"no route {method} {url.path}")
-            if route.auth and not self.authorized():
+            if route.auth and not self.authorized(route.keys):
                 self.discard_body()
                 raise HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
             if route.auth and self.api_key:

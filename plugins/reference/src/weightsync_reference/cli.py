@@ -27,7 +27,8 @@ def _serve(args: argparse.Namespace) -> int:
           api_key_file=args.api_key_file, load_roots=args.load_root, fleet=args.fleet,
           fleet_key=args.fleet_key, fleet_credential_file=args.fleet_credential_file,
           advertise=args.advertise, verbosity=args.verbose - args.quiet,
-          hmac_key_file=args.hmac_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key)
+          hmac_key_file=args.hmac_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+          rollout_key_file=args.rollout_key_file)
     return 0
 
 
@@ -37,6 +38,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sp.add_argument("--port", type=int, default=8100, help="port to listen on (0: any free port)")
     key_args(sp, "the engine", "WEIGHTSYNC_API_KEY")
+    sp.add_argument("--rollout-key-file", default=None, metavar="FILE",
+                    help="a second key (or $WEIGHTSYNC_ROLLOUT_KEY) that opens /generate and "
+                    "/info only, never a weight route: a rollout router's, which the fleet "
+                    "registry hands to the router key")
     sp.add_argument("--name", default=None, help="engine name in reports (default host:port)")
     sp.add_argument("--device", default="cpu", help="where the weights live: cpu, cuda, cuda:N")
     sp.add_argument("--load-root", action="append", default=[], metavar="DIR",

@@ -22,7 +22,8 @@ def _route(args: argparse.Namespace) -> int:
     if args.fleet:
         cls = components.fleets.get("registry")
         fleet = cls(cls.Options.model_validate({"url": args.fleet, "api_key": args.fleet_key,
-                                                "trainer_key_file": args.fleet_trainer_key_file}))
+                                                "trainer_key_file": args.fleet_trainer_key_file,
+                                                "router_key_file": args.fleet_router_key_file}))
         fleet.open(components, None)
         client = RolloutClient(fleet=fleet, adapter=args.adapter, components=components,
                                stuck=args.stuck)
@@ -75,9 +76,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "go to live members holding a fitting version", formatter_class=_FMT)
     sp.add_argument("--fleet", default=None, metavar="URL", help="a fleet registry to follow")
     sp.add_argument("--fleet-key", default=None, help="the registry's key (or $WEIGHTSYNC_FLEET_KEY)")
+    sp.add_argument("--fleet-router-key-file", default=None, metavar="FILE",
+                    help="the registry's router key (or $WEIGHTSYNC_FLEET_ROUTER_KEY): it reads "
+                    "the members' rollout keys, which open generation only; it cannot read engine "
+                    "keys or report a push")
     sp.add_argument("--fleet-trainer-key-file", default=None, metavar="FILE",
-                    help="the registry's trainer key: a keyed registry hands the members' engine "
-                    "keys only to it (it also reports pushes: keep the router where the trainer is)")
+                    help="instead of the router key: the registry's trainer key (it reads the "
+                    "members' engine keys and reports pushes: keep such a router where the "
+                    "trainer is)")
     sp.add_argument("--engine", action="append", default=[], metavar="URL",
                     help="a static engine instead of a registry (repeat)")
     sp.add_argument("--adapter", default="reference", help="adapter kind of members that name none")

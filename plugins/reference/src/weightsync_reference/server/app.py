@@ -92,7 +92,7 @@ def _health(h: Any, q: dict) -> Any:
     return h.engine.health()
 
 
-@routes.add("GET", "/info", max_body=0)
+@routes.add("GET", "/info", max_body=0, keys=("rollout_key",))
 def _info(h: Any, q: dict) -> Any:
     return h.engine.info()
 
@@ -110,7 +110,7 @@ def _int_or_none(v: Any, field: str) -> int | None:
     return v
 
 
-@routes.add("POST", "/generate")
+@routes.add("POST", "/generate", keys=("rollout_key",))
 def _generate(h: Any, q: dict) -> Any:
     body = h.json_body()
     if not isinstance(body, dict):
@@ -297,9 +297,10 @@ def _pull(h: Any, q: dict) -> Any:
 
 def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0,
                 api_key: str | None = None, load_roots: list[str] | None = None,
-                max_connections: int = 64) -> Server:
+                max_connections: int = 64, rollout_key: str | None = None) -> Server:
     """The engine's HTTP server. A payload may be as large as the whole model plus its header
-    (a bucket never exceeds the model); every JSON route takes at most 16 MiB, others 1 MiB."""
+    (a bucket never exceeds the model); every JSON route takes at most 16 MiB, others 1 MiB.
+    `rollout_key` opens /generate and /info only (a rollout router's), never a weight route."""
     model_bytes = sum(t.numel() * t.element_size() for n in engine.model.store.names()
                       if (t := engine.model.store.get(n)) is not None)
     mine = Routes()
@@ -311,7 +312,8 @@ def make_server(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 0,
     mine.table[("POST", "/weightsync/relay")] = type(fwd)(fwd.fn, False, model_bytes + JSON_CAP)
     roots = tuple(Path(r).resolve() for r in (load_roots or []))
     return make_http_server(mine, host, port, api_key=api_key, name=f"engine {engine.name}",
-                            state={"engine": engine, "load_roots": roots},
+                            state={"engine": engine, "load_roots": roots,
+                                   "rollout_key": rollout_key},
                             max_connections=max_connections)
 
 
@@ -321,7 +323,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
           fleet_key: str | None = None, advertise: str | None = None, verbosity: int = 0,
           fleet_credential_file: str | None = None,
           hmac_key_file: str | None = None, tls_cert: str | None = None,
-          tls_key: str | None = None) -> None:
+          tls_key: str | None = None, rollout_key_file: str | None = None) -> None:
     from weightsync.plugins import load_components
     from weightsync_reference.server.model import load_model
 
@@ -331,7 +333,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
     key = resolve_key(api_key, api_key_file)
     engine = ReferenceEngine(load_model(model_dir, device), load_components(), name or f"{host}:{port}",
                              hmac_key=load_key(None, hmac_key_file))
-    server = make_server(engine, host, port, key, load_roots)
+    rollout_key = resolve_key(None, rollout_key_file, env="WEIGHTSYNC_ROLLOUT_KEY")
+    server = make_server(engine, host, port, key, load_roots, rollout_key=rollout_key)
     scheme = "http"
     if tls_cert:
         import ssl
@@ -347,7 +350,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
     if fleet:
         from weightsync.fleets.member import Membership
         member = Membership(fleet, fleet_key, {"name": engine.name, "url": url,
-                                               "adapter": {"kind": "reference"}, "api_key": key},
+                                               "adapter": {"kind": "reference"}, "api_key": key,
+                                               "rollout_key": rollout_key},
                             version=lambda: engine.version, credential_file=fleet_credential_file)
         engine.membership = member
     stop = threading.Event()
