@@ -1,6 +1,6 @@
 """The RL loop against engines that do not go as planned, each a reference engine in its own
-process: a commit whose answer is lost, a loop started against engines already ahead of it, and
-pushes that keep failing. Versions come from what the engines report; staleness is measured
+process: a commit whose answer is lost, a loop started against engines already ahead of it,
+pushes that keep failing, and an engine frozen while it holds the loop's prompts. Versions come from what the engines report; staleness is measured
 against the weights being trained."""
 
 from __future__ import annotations
@@ -145,3 +145,27 @@ def test_pushes_that_keep_failing_grow_the_staleness_and_stop_the_loop(
         assert eng.health()["version"] == 0
     finally:
         eng.stop()
+
+
+def test_a_frozen_engines_prompts_move_and_the_step_goes_on(model_dir: Path, tmp_path: Path) -> None:
+    """Engine a is frozen (SIGSTOP) while the loop's first rollouts are spread over a and b:
+    the prompts sent to a are cancelled there after the client's `stuck` (2 s) and served by b,
+    so the step goes on (before, it waited until a woke); every step trains on b's samples."""
+    import os
+    import signal
+    a = EngineProcess(model_dir, name="a", log=tmp_path / "a.log").start(timeout=120)
+    b = EngineProcess(model_dir, name="b", log=tmp_path / "b.log").start(timeout=120)
+    assert a.proc is not None
+    try:
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        with WeightSync.from_config({**SYNC, "engines": [b.spec()]}) as sync, \
+                RolloutClient([a.spec(), b.spec()], refresh=0.0, stuck=2.0) as client:
+            loop = _loop(model_dir, sync, client)
+            stats = list(loop.run(steps=2))
+        assert [s.samples for s in stats] == [PROMPTS * N] * 2, stats
+        assert all(set(s.gaps) <= {"b@0", "b@1"} and s.gaps for s in stats), stats
+        assert client.moved >= 1 and [s.push_ok for s in stats] == [True, True]
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+        a.stop()
+        b.stop()
