@@ -1,7 +1,8 @@
 """Rollouts survive engines that stop and callers that leave, against reference engines in their
 own processes: a prompt on a frozen engine (SIGSTOP) moves to the other engine within the
 client's `stuck` bound and the frozen one drops it when it wakes; a caller that hangs up on the
-router has its generations cancelled on the engines, which are free for the next caller."""
+router has its generations cancelled on the engines, which are free for the next caller; a
+prompt whose member lapses moves as soon as the fleet drops it."""
 
 from __future__ import annotations
 
@@ -118,3 +119,37 @@ def test_a_caller_that_hangs_up_cancels_its_work_on_the_engines(pair: list[Engin
         rc = RouterClient(router.url, api_key=KEY)
         got = rc.sample([[4, 5]] * 2, {"max_new_tokens": 2}, wait=10)
         assert len(got) == 2
+
+
+def test_a_prompt_moves_when_its_member_lapses(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two engines members of a registry with a 1 s lease; a is frozen: its lease lapses long
+    before the client's `stuck` (60 s here), and the prompts it held move to b as soon as the
+    client's view of the fleet drops it."""
+    from weightsync.fleets.service import RegistryService
+    from weightsync.plugins import load_components
+    d = tmp_path_factory.mktemp("lapse")
+    build_tiny_model(d / "m", "llama", vocab=128)
+    key = "lapse-fleet-key-0123456789"
+    service = RegistryService(load_components(), lease=1.0, api_key=key, peer_join=False)
+    url = service.start()
+    engines = [EngineProcess(d / "m", name=n, log=d / f"{n}.log",
+                             extra_args=["--fleet", url, "--fleet-key", key]) for n in ("a", "b")]
+    try:
+        a, b = start_all(engines)
+        wait_for(lambda: len(service.members()) == 2, 30, "both engines to register")
+        client = RolloutClient(fleet=service.members, refresh=0.0, stuck=60.0)
+        assert a.proc is not None
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        t, out = in_thread(lambda: client.sample([[1, 2, 3]] * 4, {"max_new_tokens": 300},
+                                                 wait=120))
+        t.join(45)                          # bounded: `stuck` alone would take 60 s
+        assert not t.is_alive(), "the prompts of the lapsed member never moved"
+        assert "error" not in out, out
+        assert {s.engine for s in out["value"]} == {"b"} and client.moved == 2
+        client.close()
+    finally:
+        for e in engines:
+            if e.proc is not None:
+                os.kill(e.proc.pid, signal.SIGCONT)
+            e.stop()
+        service.close()
