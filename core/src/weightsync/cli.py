@@ -133,9 +133,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--options", default="{}", help="adapter options as JSON")
     sp.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the engine's health")
     sp.add_argument("--rollout-key-file", default=None, metavar="FILE",
-                    help="a key of the engine that opens generation only (or $WEIGHTSYNC_ROLLOUT_KEY; vLLM: its --api-key, "
-                    "when its update routes take WEIGHTSYNC_VLLM_TOKEN): what a rollout router "
-                    "is given by the registry")
+                    help="a key of the engine that opens generation and no weight route (or "
+                    "$WEIGHTSYNC_ROLLOUT_KEY): what the registry gives a rollout router")
     sp.set_defaults(fn=_join)
 
     fp = sub.add_parser("fleet", help="the fleet registry: serve it, list its members",
