@@ -120,6 +120,21 @@ def test_invalid_requests_say_what_was_wrong(served: Served) -> None:
         served.adapter.score([5])
 
 
+def test_the_trainers_logprobs_match_vllms_processed_ones_at_temperature_0_7(served: Served) -> None:
+    """At temperature 0.7 with top-k and top-p on, vLLM's processed logprobs are renormalised
+    over the kept tokens; each sample says so, and the RL trainer's side (`grpo.token_logprobs`)
+    computed from it matches; a trainer that ignores the temperature is caught by the gap."""
+    from weightsync_rl import grpo
+    params = SamplingParams(n=4, max_new_tokens=8, temperature=0.7, top_k=20, top_p=0.9, seed=5)
+    samples = served.sampler.generate(PROMPT, params, Gate())
+    assert {(s.temperature, s.top_k, s.top_p) for s in samples} == {(0.7, 20, 0.9)}
+    batch = grpo.make_batch(samples, [0.0] * len(samples))
+    with torch.no_grad():
+        assert grpo.gap(grpo.token_logprobs(served.model, batch), batch)["max"] < TOL
+        wrong = grpo.Batch(**{**batch.__dict__, "temperature": torch.ones_like(batch.temperature)})
+        assert grpo.gap(grpo.token_logprobs(served.model, wrong), wrong)["max"] > 0.05
+
+
 def test_samples_carry_the_pushed_version_and_the_probe_passes(served: Served, tmp_path: Path) -> None:
     model = copy.deepcopy(served.model)
     with torch.no_grad():

@@ -17,8 +17,8 @@ __all__ = ["Gate", "NotFitting", "Refused", "Sample", "SamplingParams", "StaleEn
 
 class SamplingParams(BaseModel):
     """How to sample. `temperature: 0` is greedy; `top_k: 0` and `top_p: 1` switch those filters
-    off. Logprobs are always returned: the log-probability of each sampled token under the
-    temperature-scaled distribution before the top-k / top-p filters (greedy: temperature 1).
+    off. Logprobs are always returned: the log-probability of each sampled token, under the
+    distribution each `Sample` names (its `temperature`, `top_k`, `top_p`: the engine's own).
     A sample ends after `max_new_tokens` or at a token of `stop_token_ids`; the model's own
     end-of-sequence token stops it only when listed there (every engine is asked to ignore it)."""
 
@@ -47,9 +47,7 @@ class Gate(BaseModel):
     wait: float = Field(30.0, ge=0.0, le=3600.0)
 
     def fits(self, version: int | None) -> TypeGuard[int]:
-        if version is None:
-            return False
-        return ((self.min_version is None or version >= self.min_version)
+        return (version is not None and (self.min_version is None or version >= self.min_version)
                 and (self.exact_version is None or version == self.exact_version))
 
     def describe(self) -> str:
@@ -62,7 +60,10 @@ class Gate(BaseModel):
 class Sample:
     """One generated sequence. `version` is the weight version its first token was computed
     with and `version_end` the one of its last: they differ only when a swap happened during the
-    generation (`mixed`), and such a sample is never reported as one version."""
+    generation (`mixed`), and such a sample is never reported as one version. `temperature`,
+    `top_k` and `top_p` say which distribution `logprobs` are of (engines differ: the log of
+    the temperature-scaled probabilities before any filter, or renormalised over the top-k /
+    top-p tokens, or raw), so a trainer computes its side the same way."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -72,6 +73,9 @@ class Sample:
     version_end: int
     prompt_ids: list[int] = field(default_factory=list)
     prompt_index: int = 0
+    temperature: float = 1.0        # the logprobs' temperature (1: raw logits; greedy reports 1)
+    top_k: int = 0                  # > 0: renormalised over the top-k tokens
+    top_p: float = 1.0              # < 1: renormalised over the top-p nucleus
 
     @property
     def mixed(self) -> bool:
@@ -88,7 +92,9 @@ class Sample:
                     finish_reason=str(d["finish_reason"]), engine=str(d["engine"]),
                     version=int(d["version"]), version_end=int(d["version_end"]),
                     prompt_ids=[int(x) for x in d.get("prompt_ids", [])],
-                    prompt_index=int(d.get("prompt_index", 0)))
+                    prompt_index=int(d.get("prompt_index", 0)),
+                    temperature=float(d.get("temperature", 1.0)), top_k=int(d.get("top_k", 0)),
+                    top_p=float(d.get("top_p", 1.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a sample: {e!r} in {str(d)[:200]}") from None
         if len(s.logprobs) != len(s.token_ids):

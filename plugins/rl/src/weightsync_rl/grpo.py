@@ -27,11 +27,17 @@ class Batch:
     engine_lp: torch.Tensor      # [B, T-1] the engine's logprob of that token (0 elsewhere)
     attention: torch.Tensor      # [B, T] 1 on real tokens (right padding)
     advantages: torch.Tensor     # [B]
+    # the distribution each sample's engine logprobs are of (`Sample.temperature`, `top_k`,
+    # `top_p`): the trainer's side is computed the same way, or the gap measures the sampling
+    # settings and the importance ratio is wrong
+    temperature: torch.Tensor    # [B]
+    top_k: torch.Tensor          # [B] long, 0: no top-k filter
+    top_p: torch.Tensor          # [B], 1: no top-p filter
 
     def rows(self, idx: list[int]) -> "Batch":
         """The same batch cut to samples `idx`."""
         return Batch(self.ids[idx], self.mask[idx], self.engine_lp[idx], self.attention[idx],
-                     self.advantages[idx])
+                     self.advantages[idx], self.temperature[idx], self.top_k[idx], self.top_p[idx])
 
 
 def advantages(samples: list[Sample], rewards: list[float], eps: float = 1e-4) -> list[float]:
@@ -60,17 +66,46 @@ def make_batch(samples: list[Sample], advs: list[float]) -> Batch:
         p, n = len(s.prompt_ids), len(s.token_ids)
         mask[i, p - 1:p - 1 + n] = 1
         lp[i, p - 1:p - 1 + n] = torch.tensor(s.logprobs)
-    return Batch(ids, mask, lp, att, torch.tensor(advs, dtype=torch.float32))
+    return Batch(ids, mask, lp, att, torch.tensor(advs, dtype=torch.float32),
+                 torch.tensor([s.temperature for s in samples], dtype=torch.float32),
+                 torch.tensor([s.top_k for s in samples], dtype=torch.long),
+                 torch.tensor([s.top_p for s in samples], dtype=torch.float32))
+
+
+def processed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+              top_p: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [B, L, V] of the distribution an engine reports for rows sampled with
+    these settings: logits over the row's temperature, then (where the engine's logprobs are of
+    the filtered distribution) the tokens outside its top-k and its top-p nucleus removed and
+    the rest renormalised, as vLLM's `processed_logprobs` are."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))   # 0: greedy, raw
+    x = logits.float() / t[:, None, None]
+    if bool((top_k > 0).any()):
+        k = top_k.clamp(min=1, max=x.shape[-1])
+        kth = torch.sort(x, -1, descending=True).values.gather(
+            -1, (k - 1)[:, None, None].expand(-1, x.shape[1], 1))
+        x = torch.where((top_k[:, None, None] > 0) & (x < kth), float("-inf"), x)
+    if bool((top_p < 1).any()):
+        order = torch.sort(x, -1, descending=True)
+        probs = torch.softmax(order.values, -1)
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None, None]   # past the nucleus
+        drop = torch.zeros_like(drop).scatter(-1, order.indices, drop)
+        x = torch.where(drop, float("-inf"), x)
+    return torch.log_softmax(x, -1)
 
 
 def token_logprobs(model: torch.nn.Module, batch: Batch,
                    weights: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """[B, T-1]: the model's logprob of each next token; with `weights` (a snapshot of another
-    version's parameters) the same model computes with those instead."""
+    """[B, T-1]: the model's logprob of each next token under the distribution its engine
+    reported (`processed`); with `weights` (a snapshot of another version's parameters) the same
+    model computes with those instead."""
     kw: dict[str, Any] = {"input_ids": batch.ids, "attention_mask": batch.attention}
     out = functional_call(model, dict(weights), (), kw) if weights is not None else model(**kw)
-    lp = torch.log_softmax(out.logits[:, :-1].float(), -1)
-    return lp.gather(2, batch.ids[:, 1:, None])[..., 0]
+    lp = processed(out.logits[:, :-1], batch.temperature, batch.top_k, batch.top_p)
+    lp = lp.gather(2, batch.ids[:, 1:, None])[..., 0]
+    # a prompt token outside a row's top-k / top-p has no probability there: -inf, which would
+    # make NaN of the masked sums; only sampled tokens count (always kept), so the rest is 0
+    return torch.where(batch.mask > 0, lp, torch.zeros_like(lp))
 
 
 def loss(model: torch.nn.Module, batch: Batch, clip: float = 0.2,

@@ -115,7 +115,10 @@ class SGLangSampler:
             if end is None:
                 raise NotFitting(f"engine {a.engine_name} did not say which version it held "
                                  f"after the request", held)
-            samples.append(Sample(ids, lps, reason, a.engine_name, int(held), end, list(prompt)))
+            # SGLang's sampler reports the log of the temperature-scaled probabilities, before
+            # its top-k / top-p filters
+            samples.append(Sample(ids, lps, reason, a.engine_name, int(held), end, list(prompt),
+                                  temperature=params.temperature or 1.0))
         return samples
 
     def _check_seeded(self) -> None:

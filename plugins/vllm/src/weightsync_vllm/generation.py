@@ -167,7 +167,10 @@ class VllmSampler:
         if end is None:
             raise NotFitting(f"engine {self.engine_name} did not say which version it held "
                              f"after the request", held)
-        return [Sample(ids, lps, reason, self.engine_name, held, end, list(prompt))
+        # `processed_logprobs`: temperature-scaled, and renormalised over top-k / top-p
+        return [Sample(ids, lps, reason, self.engine_name, held, end, list(prompt),
+                       temperature=params.temperature or 1.0, top_k=params.top_k,
+                       top_p=params.top_p)
                 for ids, lps, reason in out]
 
     def _generation_call(self, body: dict[str, Any]) -> Any:
