@@ -108,20 +108,53 @@ def token_logprobs(model: torch.nn.Module, batch: Batch,
     return torch.where(batch.mask > 0, lp, torch.zeros_like(lp))
 
 
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+
+
+def correction(prox: torch.Tensor, batch: Batch, mode: str = "token_truncate",
+               cap: float = 5.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rollout correction: the importance weight [B, T-1] of each sampled token, trainer over
+    engine (proximal / behaviour), as verl's and TRL's options name them: `token_truncate`
+    caps each token's ratio at `cap` (truncated IS), `token_mask` drops tokens above it,
+    `sequence_*` do the same with the sequence's ratio (the product over its tokens) for every
+    token of the sequence (masked IS at `sequence_mask`), `none` weighs every token 1. With the
+    weights: the share of tokens whose weight was cut (`corrected`), and the KL from the engine's
+    policy to the trainer's over the sampled tokens (`kl`, the k3 estimator: never negative)."""
+    if mode not in CORRECTIONS:
+        raise ValueError(f"correction {mode!r}: use one of {', '.join(CORRECTIONS)}")
+    m = batch.mask
+    log_r = (prox - batch.engine_lp) * m
+    if mode.startswith("sequence"):
+        log_r = log_r.sum(1, keepdim=True).expand_as(log_r)
+    r = torch.exp(log_r.clamp(max=50.0))
+    over = (r > cap) & (m > 0)
+    if mode.endswith("truncate"):
+        w = r.clamp(max=cap)
+    elif mode.endswith("mask"):
+        w = torch.where(over, torch.zeros_like(r), r)
+    else:
+        w, over = torch.ones_like(r), torch.zeros_like(over)
+    n = m.sum().clamp(min=1)
+    d = (batch.engine_lp - prox) * m                 # log(engine / trainer) per token
+    kl = ((torch.exp(d) - 1 - d) * m).sum() / n
+    return w * m, {"corrected": float(over.sum() / n), "kl": float(kl)}
+
+
 def loss(model: torch.nn.Module, batch: Batch, clip: float = 0.2,
-         proximal: torch.Tensor | None = None,
-         cap: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+         proximal: torch.Tensor | None = None, cap: float = 5.0,
+         mode: str = "token_truncate") -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped surrogate loss and the trainer's logprobs it was computed from (detached).
 
     Decoupled as AReaL's PPO is for off-policy samples: the ratio that is clipped is against the
     `proximal` policy (the trainer's own logprobs at the start of the step; the first pass's,
-    when None), and each token is weighted by proximal / behaviour (the engine's logprobs),
-    capped at `cap`. On-policy samples have a weight of 1 (the two agree up to the gap), so this is
-    plain PPO; a sample one version old is corrected instead of clipped away."""
+    when None), and each token is weighted by proximal / behaviour (the engine's logprobs) as
+    `correction` says (`mode`, `cap`; by default capped at `cap`). On-policy samples have a
+    weight of 1 (the two agree up to the gap), so this is plain PPO; a sample one version old is
+    corrected instead of clipped away."""
     lp = token_logprobs(model, batch)
     prox = lp.detach() if proximal is None else proximal
     ratio = torch.exp(lp - prox) * batch.mask
-    weight = torch.exp(prox - batch.engine_lp).clamp(max=cap) * batch.mask
+    weight, _ = correction(prox, batch, mode, cap)
     adv = batch.advantages[:, None]
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv) * weight
     return (per_token * batch.mask).sum() / batch.mask.sum().clamp(min=1), lp.detach()

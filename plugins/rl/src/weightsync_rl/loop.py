@@ -22,7 +22,9 @@ A sample of a version the loop did not push (another trainer's) is not trained o
 (`unknown`). Policies: engines already ahead when `run` starts (an earlier run pushed them): the
 loop's labels go on above the fleet's version and its weights are pushed first, before any
 rollout; `max_failed_pushes` pushes in a row that no engine took: `run` raises `PushesFailed`
-rather than train on ever older rollouts.
+rather than train on ever older rollouts. Each token's importance weight (trainer over engine)
+is corrected as `correction` says (`grpo.correction`: truncated or masked, per token or per
+sequence), and every step reports the share of tokens cut and the engine-to-trainer KL.
 
     loop = RLLoop(model, opt, sync, client.sample, CountingTask(), SamplingParams(n=8),
                   mode="async")
@@ -73,6 +75,8 @@ class StepStats:
     unknown: int = 0                         # samples of versions the loop did not push: not
                                              # trained on, no gap measured
     failed_pushes: int = 0                   # pushes in a row no engine took, this step's included
+    corrected: float = 0.0                   # share of tokens whose importance weight was cut
+    kl: float = 0.0                          # KL(engine || trainer) over the sampled tokens (k3)
 
 
 class PushesFailed(SyncError):
@@ -97,11 +101,17 @@ class RLLoop:
                  sampler: Sampler, task: Any, params: SamplingParams, *, prompts_per_step: int = 16,
                  mode: str = "sync", max_staleness: int = 1, clip: float = 0.2, epochs: int = 2,
                  busy: Callable[[], dict[str, float]] | None = None, wait: float = 60.0,
-                 keep_mixed: bool = True, max_failed_pushes: int | None = 3) -> None:
+                 keep_mixed: bool = True, max_failed_pushes: int | None = 3,
+                 correction: str = "token_truncate", correction_cap: float = 5.0) -> None:
         if mode not in ("sync", "async"):
             raise ValueError(f"mode {mode!r}: use 'sync' or 'async'")
         if max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
+        if correction not in grpo.CORRECTIONS:
+            raise ValueError(f"correction {correction!r}: use one of {', '.join(grpo.CORRECTIONS)}")
+        if correction_cap <= 0:
+            raise ValueError("correction_cap must be > 0")
+        self.correction, self.correction_cap = correction, correction_cap
         if max_failed_pushes is not None and max_failed_pushes < 1:
             raise ValueError("max_failed_pushes must be >= 1 (None: never stop)")
         self.model, self.opt, self.sync, self.sampler = model, optimizer, sync, sampler
@@ -245,10 +255,13 @@ class RLLoop:
         self.model.train()
         proximal = None                          # the trainer's logprobs before this step
         for epoch in range(self.epochs):        # PPO-style passes over the same samples
-            loss, lp = grpo.loss(self.model, batch, self.clip, proximal)
+            loss, lp = grpo.loss(self.model, batch, self.clip, proximal, self.correction_cap,
+                                 self.correction)
             if epoch == 0:
                 proximal = lp
                 self._gaps(keep, batch, lp, st)  # the weights that are still `now`'s
+                _, seen = grpo.correction(lp, batch, self.correction, self.correction_cap)
+                st.corrected, st.kl = seen["corrected"], seen["kl"]
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()
