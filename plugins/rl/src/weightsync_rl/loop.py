@@ -260,8 +260,8 @@ class RLLoop:
             if epoch == 0:
                 proximal = lp
                 self._gaps(keep, batch, lp, st)  # the weights that are still `now`'s
-                _, seen = grpo.correction(lp, batch, self.correction, self.correction_cap)
-                st.corrected, st.kl = seen["corrected"], seen["kl"]
+                _, cut = grpo.correction(lp, batch, self.correction, self.correction_cap)
+                st.corrected, st.kl = cut["corrected"], cut["kl"]
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()
