@@ -159,3 +159,22 @@ def test_samples_carry_the_pushed_version_and_the_probe_passes(served: Served, t
     lp = trained.logprobs(ids)
     assert version == 3
     assert max(abs(a - float(lp[i, t])) for i, (a, t) in enumerate(zip(got, ids[1:]))) < TOL
+
+
+def test_a_distrusted_version_serves_no_rollouts_until_the_next_commit(served: Served) -> None:
+    """After a failed probe the trainer distrusts what vLLM holds: the sampler then sees no
+    fitting version (the client and router send it nothing), the round protocol still reads
+    the version, and the next commit clears it."""
+    from weightsync.interfaces.sampling import StaleEngines
+    from weightsync_rl.rollout import RolloutClient
+    v = served.adapter.health().version
+    assert served.adapter.distrust(v + 1, "not what it holds") is False
+    assert served.adapter.distrust(v, "probe: |Δ logprob| 3.2") is True
+    assert served.sampler.weight_version() is None and served.adapter.health().version == v
+    with RolloutClient([served.spec]) as client, pytest.raises(StaleEngines):
+        client.sample([PROMPT], {"max_new_tokens": 2}, wait=1.0)
+    cfg = {"adapter": "vllm", "engines": [served.spec], "sync": {"progress": "off"}}
+    with WeightSync.from_config(cfg) as sync:
+        assert sync.push(served.model, version=v + 1).verified
+    assert served.sampler.weight_version() == v + 1
+

@@ -29,7 +29,7 @@ from weightsync.net.client import json_of
 from weightsync.transports.collective import JoinGroup, LeaveGroup
 from weightsync.transports.http import FetchPayload
 
-from .generation import parse_version as _parse_version, score_on
+from .generation import distrust_on, parse_version as _parse_version, score_on
 from .guard import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -333,6 +333,10 @@ class VllmAdapter(HttpAdapter):
         """The logprob of each token of `ids` after the first (vLLM's `prompt_logprobs`), and the
         version that computed them: what the probe compares with the trainer's own."""
         return score_on(self, ids)
+
+    def distrust(self, version: int, reason: str) -> bool:
+        """After a failed probe: no rollouts from `version` (`generation.distrust_on`)."""
+        return distrust_on(self, version, reason)
 
     def load_from_disk(self, path: str, version: int, allow_older: bool = False,
                        signature: Mapping[str, Any] | None = None) -> None:

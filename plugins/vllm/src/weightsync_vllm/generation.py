@@ -4,11 +4,14 @@ token's logprob per position (`return_token_ids`, `logprobs: 0`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from weightsync.errors import EngineError
 from weightsync.net.client import json_of
 from weightsync.interfaces.sampling import Gate, NotFitting, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
 
 # vLLM's default `raw_logprobs` is the log-softmax of the model's logits before the temperature
 # is applied: it equals SamplingParams' definition (temperature-scaled, before top-k / top-p) only
@@ -90,13 +93,35 @@ def parse_prompt_logprobs(engine: str, body: Any, ids: list[int]) -> list[float]
     return out
 
 
+DISTRUSTED = "distrusted-"     # vLLM's weight_version after a failed probe: "distrusted-<v>"
+
+
 def served_version(adapter: Any) -> int | None:
-    """The version `adapter`'s server says it serves (GET /weight_info); None: no answer."""
+    """The version `adapter`'s server serves rollouts from (GET /weight_info); None: no answer,
+    or the probe failed on what it holds (no version fits any request then)."""
     try:
         raw = (adapter._call("GET", "/weight_info", timeout=adapter.options.timeout) or {})
     except EngineError:
         return None
-    return parse_version(raw.get("weight_version"))
+    got = raw.get("weight_version")
+    return None if str(got).startswith(DISTRUSTED) else parse_version(got)
+
+
+def distrust_on(adapter: Any, version: int, reason: str) -> bool:
+    """The trainer's probe found that the server does not compute with the weights of `version`:
+    its weight_version becomes "distrusted-<version>" (vLLM's `/update_weight_version`), which
+    the sampler reads as no fitting version and the round protocol still as `version`; the next
+    commit writes a plain version again. False when it holds another version by now."""
+    try:
+        raw = (adapter._call("GET", "/weight_info") or {}).get("weight_version")
+        if str(raw).startswith(DISTRUSTED) or parse_version(raw) != version:
+            return False
+        adapter._post("/update_weight_version", {"new_version": f"{DISTRUSTED}{version}"})
+    except EngineError:
+        return False
+    log.warning("engine %s serves no rollouts until a later version: %s", adapter.engine_name,
+                reason)
+    return True
 
 
 def completions(adapter: Any, body: dict[str, Any]) -> Any:
