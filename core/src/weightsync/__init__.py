@@ -18,8 +18,7 @@ Quick start::
 Plugins add components through six pluggy hooks (see `weightsync.hookspecs`).
 
 Names load on first use, so `weightsync --help` and a plugin's `plugin.py` do not pay for
-torch until something needs it.
-"""
+torch until something needs it."""
 
 from __future__ import annotations
 
@@ -33,15 +32,13 @@ from weightsync.hookspecs import hookimpl
 
 __version__ = "0.2.0"   # the one source: hatch reads it for the distribution's version
 
-_LAZY = {
-    "Bucket": "wire.bucket", "TensorSpec": "wire.bucket", "EngineSpec": "config", "SyncConfig": "config",
-    "Adapter": "interfaces", "Encoding": "interfaces", "Endpoint": "interfaces",
-    "EngineStatus": "interfaces", "Exporter": "interfaces", "Fleet": "interfaces",
-    "Member": "interfaces", "Message": "interfaces", "Announce": "interfaces", "Payload": "interfaces", "PeerSource": "interfaces",
-    "Transport": "interfaces", "TransportReceiver": "interfaces", "WeightSync": "sync.pipeline",
-    "load_components": "plugins", "make_plugin_manager": "plugins", "EngineOutcome": "sync.report",
-    "SyncReport": "sync.report",
-}
+_LAZY = {name: module for module, names in {
+    "wire.bucket": ("Bucket", "TensorSpec"), "config": ("EngineSpec", "SyncConfig"),
+    "interfaces": ("Adapter", "Announce", "Encoding", "Endpoint", "EngineStatus", "Exporter",
+                   "Fleet", "Member", "Message", "Payload", "PeerSource", "Transport",
+                   "TransportReceiver"),
+    "sync.pipeline": ("WeightSync",), "plugins": ("load_components", "make_plugin_manager"),
+    "sync.report": ("EngineOutcome", "SyncReport")}.items() for name in names}
 
 if TYPE_CHECKING:
     from weightsync.wire.bucket import Bucket, TensorSpec
@@ -67,11 +64,9 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = [
-    "Adapter", "Announce", "Bucket", "ConfigError", "Encoding", "Endpoint", "EngineError",
-    "EngineOutcome",
-    "EngineSpec", "EngineStatus", "EngineUnavailable", "EngineUnreachable", "Exporter", "Fleet",
-    "Member", "Message", "Payload", "PayloadError", "PeerSource", "PluginError", "SyncConfig", "SyncError",
-    "SyncReport", "TensorSpec", "Transport", "TransportError", "TransportReceiver", "WeightSync",
-    "WeightSyncError", "hookimpl", "load_components", "make_plugin_manager",
-]
+__all__ = ["Adapter", "Announce", "Bucket", "ConfigError", "Encoding", "Endpoint", "EngineError",
+           "EngineOutcome", "EngineSpec", "EngineStatus", "EngineUnavailable", "EngineUnreachable",
+           "Exporter", "Fleet", "Member", "Message", "Payload", "PayloadError", "PeerSource",
+           "PluginError", "SyncConfig", "SyncError", "SyncReport", "TensorSpec", "Transport",
+           "TransportError", "TransportReceiver", "WeightSync", "WeightSyncError", "hookimpl",
+           "load_components", "make_plugin_manager"]

@@ -1,6 +1,5 @@
 """The `weightsync` command. Nothing heavy is imported before a subcommand runs, so `--help` and
-`--version` answer at once; a user error is one line on stderr and exit status 2, never a
-traceback."""
+`--version` answer at once; a user error is one line on stderr (exit status 2), not a traceback."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ def _fleet_ls(args: argparse.Namespace) -> int:
         print(json.dumps(view, indent=2))
         return 0
     print(f"fleet version {view['version']}, lease {view['lease']}s, {len(view['members'])} members")
-    head = f"{'name':<24} {'adapter':<10} {'role':<6} {'version':>7} {'state':<8} {'lease':>6}  url"
-    print(head)
+    print(f"{'name':<24} {'adapter':<10} {'role':<6} {'version':>7} {'state':<8} {'lease':>6}  url")
     for m in view["members"]:
         print(f"{m['name']:<24} {m['adapter']:<10} {m['role']:<6} {str(m['version']):>7} "
               f"{m['state']:<8} {m['lease_left']:>6.1f}  {m['url']}"
@@ -117,14 +115,12 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("config", help="a .yaml, .yml, .toml or .json sync config")
     sp.set_defaults(fn=_check)
 
-    sp = sub.add_parser("join", help="register an engine that cannot register itself "
-                        "with a fleet registry, heartbeat, deregister on exit",
-                        formatter_class=_FMT)
+    sp = sub.add_parser("join", formatter_class=_FMT, help="register an engine that cannot "
+                        "register itself with a fleet registry, heartbeat, deregister on exit")
     sp.add_argument("--fleet", required=True, metavar="URL", help="the fleet registry")
     sp.add_argument("--fleet-key", default=None, help="the registry's API key (or $WEIGHTSYNC_FLEET_KEY)")
-    sp.add_argument("--fleet-credential-file", default=None, metavar="FILE",
-                    help="keep this member's credential here, so a restarted sidecar takes its "
-                    "name back at once")
+    sp.add_argument("--fleet-credential-file", default=None, metavar="FILE", help="keep this "
+                    "member's credential here, so a restarted sidecar takes its name back at once")
     sp.add_argument("--engine", required=True, help="the engine's adapter kind (`weightsync plugins` "
                     "lists them)")
     sp.add_argument("--url", required=True, help="the engine's URL")
@@ -150,9 +146,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--router-key-file", default=None,
                     help="the rollout router's key (or $WEIGHTSYNC_FLEET_ROUTER_KEY): it reads "
                          "the members' rollout keys (generation only) and nothing else")
-    sp.add_argument("--state-file", default=None,
-                    help="keep the fleet's version, digests and name bindings in this file "
-                    "across restarts")
+    sp.add_argument("--state-file", default=None, help="keep the fleet's version, digests and name "
+                    "bindings in this file across restarts")
     sp.add_argument("--insecure", action="store_true",
                     help="serve without a fleet key (anyone who reaches it can join)")
     sp.add_argument("--lease", type=float, default=10.0, help="seconds a member stays without a heartbeat")

@@ -1,6 +1,5 @@
-"""SyncConfig: what a user writes (YAML, TOML, JSON or a dict), validated before anything runs.
-Only what users write lives here (no interface is imported): turning it into components is
-assembly.py's job."""
+"""SyncConfig: what a user writes (YAML, TOML, JSON or a dict), validated before anything runs. Only
+that lives here (no interface is imported): assembly.py turns it into components."""
 
 from __future__ import annotations
 
@@ -131,7 +130,6 @@ class SyncConfig(BaseModel):
         "(members register at run time), or a plugin's fleet source"))
     sync: SyncSettings = Field(default_factory=SyncSettings)
 
-
     @classmethod
     def load(cls, source: "str | Path | Mapping[str, Any] | SyncConfig") -> "SyncConfig":
         if isinstance(source, SyncConfig):
@@ -178,9 +176,8 @@ def _explain(e: ValidationError) -> str:
 
 def build_options(cls: type[Component], ref: ComponentRef, kind: str,
                   extra: Mapping[str, Any] | None = None) -> Any:
-    options = {**ref.options, **(extra or {})}
     try:
-        return cls.Options.model_validate(options)
+        return cls.Options.model_validate({**ref.options, **(extra or {})})
     except ValidationError as e:
         raise ConfigError(f"{kind} {ref.kind!r}: bad options: {_explain(e)}; "
                           f"allowed options: {sorted(cls.Options.model_fields)}") from None

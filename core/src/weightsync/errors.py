@@ -24,9 +24,7 @@ class EngineError(WeightSyncError):
 
     def __init__(self, engine: str, message: str, status: int | None = None) -> None:
         super().__init__(f"engine {engine}: {message}")
-        self.engine = engine
-        self.detail = message
-        self.status = status
+        self.engine, self.detail, self.status = engine, message, status
 
 
 class EngineUnavailable(EngineError):

@@ -1,6 +1,5 @@
-"""The hooks: seven that register components (assembly only; nothing here runs per bucket), one
-for subcommands of the `weightsync` command, and one through which an application adds hooks of
-its own (the bench's rows, for example)."""
+"""The hooks: seven that register components (assembly only; nothing here runs per bucket), one for
+subcommands of the `weightsync` command, one for an application's own hooks (bench rows)."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ __all__ = ["DEFAULT_PLUGINS", "Components", "Registry", "describe_plugins", "loa
 log = logging.getLogger("weightsync.plugins")
 
 DEFAULT_PLUGINS = ("weightsync.builtin",)
+KINDS = ("exporter", "encoding", "transport", "adapter", "fleet", "peer_source", "launcher")
 
 
 def _env_list(name: str) -> set[str] | None:
@@ -162,21 +163,11 @@ class Components:
     def __post_init__(self) -> None:
         from weightsync.interfaces import (Adapter, Encoding, Exporter, Fleet, Launcher,
                                            PeerSource, Transport)
-        self.exporters = Registry("exporter", Exporter, self.failed)
-        self.encodings = Registry("encoding", Encoding, self.failed)
-        self.transports = Registry("transport", Transport, self.failed)
-        self.adapters = Registry("adapter", Adapter, self.failed)
-        self.fleets = Registry("fleet", Fleet, self.failed)
-        self.peer_sources = Registry("peer source", PeerSource, self.failed)
-        self.launchers = Registry("launcher", Launcher, self.failed)
-        for hook, registry in (("register_exporters", self.exporters),
-                               ("register_encodings", self.encodings),
-                               ("register_transports", self.transports),
-                               ("register_adapters", self.adapters),
-                               ("register_fleets", self.fleets),
-                               ("register_peer_sources", self.peer_sources),
-                               ("register_launchers", self.launchers)):
-            self._call(hook, registry)
+        for kind, base in zip(KINDS, (Exporter, Encoding, Transport, Adapter, Fleet, PeerSource,
+                                      Launcher)):
+            setattr(self, f"{kind}s", Registry(kind.replace("_", " "), base, self.failed))
+        for kind in KINDS:
+            self._call(f"register_{kind}s", self.registry(kind))
 
     def _call(self, hook: str, registry: Registry[Any]) -> None:
         """Each plugin's hook separately: one that raises is recorded as failed (a warning) and
@@ -195,11 +186,7 @@ class Components:
                 self.failed[impl.plugin_name] = f"{hook}: {err!r}"
 
     def registry(self, kind: str) -> Registry[Any]:
-        by_kind: dict[str, Registry[Any]] = {
-            "exporter": self.exporters, "encoding": self.encodings,
-            "transport": self.transports, "adapter": self.adapters, "fleet": self.fleets,
-            "peer_source": self.peer_sources, "launcher": self.launchers}
-        return by_kind[kind]
+        return {k: getattr(self, f"{k}s") for k in KINDS}[kind]
 
 
 def load_components(pm: pluggy.PluginManager | None = None) -> Components:
@@ -211,8 +198,7 @@ def describe_plugins(components: Components) -> list[dict[str, Any]]:
     """What `weightsync plugins` prints: each plugin, its distribution, hooks and components."""
     dists = {id(p): d for p, d in components.pm.list_plugin_distributions()}
     by_module: dict[str, list[str]] = {}
-    for kind in ("exporter", "encoding", "transport", "adapter", "fleet", "peer_source",
-                 "launcher"):
+    for kind in KINDS:
         for name, cls in components.registry(kind).items():
             by_module.setdefault(cls.__module__.split(".")[0], []).append(f"{kind}:{name}")
     out = []

@@ -34,8 +34,7 @@ def pack_bucket(name: str, bucket: Bucket, alloc: Alloc | None = None,
 
 
 def unpack_payload(payload: Payload) -> list[tuple[str, torch.Tensor]]:
-    named, _ = unpack(payload.body)
-    return named
+    return unpack(payload.body)[0]
 
 
 class RawEncoding(Encoding):

@@ -125,12 +125,8 @@ class Fetcher:
                     requests.append(Request(s.tensor, self.rows[s], o.shape, o.stride, o.offset))  # type: ignore[arg-type]
                 wanted[o] = len(requests) - 1
         got = exchange(requests, self.me) if requests else []
-        if not self.sending:
-            self._forget(start + len(batch) - 1)
-            return None
-        out = []
-        for o in batch:                              # 3. the tensors, on the sending rank
-            out.append(self._make(o, got, wanted))
+        # 3. the tensors, on the sending rank
+        out = [self._make(o, got, wanted) for o in batch] if self.sending else None
         self._forget(start + len(batch) - 1)
         return out
 

@@ -212,7 +212,6 @@ class _Batch:
 
 
 def exchange(requests: list[Request], me: int) -> list[torch.Tensor | None]:
-    """Every request's view on the sending rank (None elsewhere), each piece sent by the rank
-    holding it: one message per holding rank for its whole views, plus one per row block of a
-    view that several ranks share."""
+    """Each request's view on the sending rank (None elsewhere), each piece sent by its holder: one
+    message per holding rank for its whole views, one per row block of a view ranks share."""
     return _Batch(requests, me).run()

@@ -26,9 +26,7 @@ from weightsync.exporters.plan import Group, Output, Source, identity, is_dtenso
 def transformers_model(model: Any) -> Any | None:
     """`model` when it is a transformers PreTrainedModel, else None; never imports transformers."""
     mod = sys.modules.get("transformers.modeling_utils")
-    if mod is None:
-        return None
-    return model if isinstance(model, mod.PreTrainedModel) else None
+    return model if mod is not None and isinstance(model, mod.PreTrainedModel) else None
 
 
 def conversions(model: Any) -> list | None:
@@ -118,10 +116,7 @@ def checkpoint_outputs(model: Any, sources: list[Source]) -> list[Output]:
         group.members.append((s.name, pattern, s))
     for group in groups.values():       # save_pretrained hands a converter its tensors in this order
         group.members.sort(key=lambda m: dot_natural_key(m[0]))
-    out: list[Output] = []
-    for slot in slots:
-        out.extend(trace(slot) if isinstance(slot, Group) else [slot])
-    return out
+    return [o for slot in slots for o in (trace(slot) if isinstance(slot, Group) else [slot])]
 
 
 def trace(group: Group) -> list[Output]:

@@ -168,15 +168,9 @@ def adapter_tensors(model: Any, adapter: str | None = None) -> dict[str, torch.T
     """The adapter's tensors under the names PEFT's `save_pretrained` writes (sharded ones
     gathered: every rank must call this for a DTensor model)."""
     from peft.utils import get_peft_model_state_dict
-    name = adapter_name(model, adapter)
-    sd = get_peft_model_state_dict(model, adapter_name=name)
-    out = {}
-    for k, t in sd.items():
-        t = t.detach()
-        if is_dtensor(t):
-            t = t.full_tensor()
-        out[k] = t
-    return out
+    sd = get_peft_model_state_dict(model, adapter_name=adapter_name(model, adapter))
+    detached = {k: t.detach() for k, t in sd.items()}
+    return {k: t.full_tensor() if is_dtensor(t) else t for k, t in detached.items()}
 
 
 def adapter_config(model: Any, adapter: str | None = None) -> dict[str, Any]:

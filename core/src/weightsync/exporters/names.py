@@ -1,6 +1,5 @@
-"""Checking the names an export will send against the checkpoint an engine serves, before any
-byte moves, with an error that shows the first mismatches on both sides and the option that fixes
-them."""
+"""Checking an export's names against the checkpoint an engine serves, before any byte moves, with
+an error that shows the first mismatches on both sides and the option that fixes them."""
 
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ def check_names(sent: Iterable[str], expected: Iterable[str], *, where: str,
     if fix is not None:
         rule = json.dumps([["^" + re.escape(fix[0]), fix[1]]])
         lines.append(f"fix: exporter option rename: {rule}")
-    for h in hints:
-        lines.append(f"fix: {h}")
+    lines += [f"fix: {h}" for h in hints]
     if fix is None and not hints:
         lines.append("fix: map the names with the exporter option `rename` (regex, replacement), "
                      "leave tensors out with `skip`, or pass push(..., name_map=...) "

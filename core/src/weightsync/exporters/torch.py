@@ -14,7 +14,7 @@ every engine can load it with one call). An iterator is streamed as it comes."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, TypeGuard
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,11 +25,8 @@ from weightsync.interfaces import Exporter, NameMap
 from weightsync.exporters import layout, lora
 from weightsync.exporters.fetch import stream
 from weightsync.exporters.names import check_names, checkpoint_names
-from weightsync.exporters.plan import (Output, Plan, Source, identity, mapping_items, module_items,
-                                       untie)
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
+from weightsync.exporters.plan import (Output, Plan, Source, identity, is_dtensor, mapping_items,
+                                       module_items, untie)
 
 
 class TorchExporterOptions(BaseModel):
@@ -50,25 +47,19 @@ class TorchExporterOptions(BaseModel):
     of only rank 0, for code that consumes buckets on every rank. The pipeline sends from rank 0."""
 
 
-def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
-    return type(t).__name__ == "DTensor" and hasattr(t, "full_tensor")
-
-
 def named_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) from a module (state dict order, persistent buffers too), a mapping or an
     iterable; tied weights are yielded once, under the first name. No checkpoint conversion."""
     if isinstance(model, torch.nn.Module):
         items: Iterable[tuple[str, torch.Tensor]] = model.state_dict(keep_vars=True).items()
-    elif isinstance(model, Mapping):
-        items = model.items()
     else:
-        items = model
+        items = model.items() if isinstance(model, Mapping) else model
     seen: set[tuple] = set()
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
         t = t.detach()
-        if not _is_dtensor(t) and t.numel():
+        if not is_dtensor(t) and t.numel():
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
             if key in seen:
                 continue
@@ -105,23 +96,19 @@ class TorchExporter(Exporter):
             sources = [Source(n, t) for n, t in untie(mapping_items(model))]
         else:
             return None
-        if hf is not None:
-            outputs = layout.checkpoint_outputs(hf, sources)
-        else:
-            outputs = [identity(s) for s in sources]
+        outputs = (layout.checkpoint_outputs(hf, sources) if hf is not None
+                   else [identity(s) for s in sources])
         return Plan(self._renamed(outputs), hf)
 
+    def _rename(self, name: str) -> str | None:
+        """`name` after the `rename` rules; None when a `skip` regex drops it."""
+        for pattern, replacement in self.options.rename:
+            name = re.sub(pattern, replacement, name)
+        return None if any(re.search(p, name) for p in self.options.skip) else name
+
     def _renamed(self, outputs: list[Output]) -> list[Output]:
-        rename = [(re.compile(p), r) for p, r in self.options.rename]
-        skip = [re.compile(p) for p in self.options.skip]
-        out = []
-        for x in outputs:
-            name = x.name
-            for pat, rep in rename:
-                name = pat.sub(rep, name)
-            if not any(p.search(name) for p in skip):
-                out.append(x if name == x.name else x.renamed(name))
-        return out
+        named = [(x, self._rename(x.name)) for x in outputs]
+        return [x if n == x.name else x.renamed(n) for x, n in named if n is not None]
 
     def names(self, plan: Plan, name_map: NameMap | None = None) -> list[str]:
         """The names `plan` sends after `name_map` (run on meta tensors: no data is touched)."""
@@ -165,16 +152,12 @@ class TorchExporter(Exporter):
     # -- streaming ---------------------------------------------------------------------------
     def _legacy(self, model: Any, name_map: NameMap | None) -> Iterator[tuple[str, torch.Tensor]]:
         """An iterator: renamed, skipped and name-mapped as it comes (DTensors all-gathered)."""
-        rename = [(re.compile(p), r) for p, r in self.options.rename]
-        skip = [re.compile(p) for p in self.options.skip]
         for name, t in named_tensors(model):
-            if _is_dtensor(t):
+            if is_dtensor(t):
                 t = t.full_tensor()  # collective: every rank of the mesh runs the same loop
-            for pat, rep in rename:
-                name = pat.sub(rep, name)
-            if any(p.search(name) for p in skip):
-                continue
-            yield from (name_map(name, t) if name_map else ((name, t),))
+            new = self._rename(name)
+            if new is not None:
+                yield from (name_map(new, t) if name_map else ((new, t),))
 
     def _mapped(self, model: Any, name_map: NameMap | None) -> Iterator[tuple[str, torch.Tensor]]:
         plan = self.plan(model)
@@ -189,8 +172,7 @@ class TorchExporter(Exporter):
     def buckets(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
         limit = self.options.bucket_bytes
         current: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        index = 0
+        size = index = 0
         names: set[str] = set()
         for name, t in self._mapped(model, name_map):
             if name in names:

@@ -44,10 +44,9 @@ class RegistryClient:
 
     def register(self, registration: dict[str, Any], credential: str | None = None
                  ) -> dict[str, Any]:
-        """Returns the registry's answer; its "credential" is what every later call about this
-        member must carry."""
-        body = dict(registration) | ({"credential": credential} if credential else {})
-        return self._call("POST", "/fleet/register", body)
+        """The registry's answer; every later call about this member carries its "credential"."""
+        return self._call("POST", "/fleet/register",
+                          dict(registration) | ({"credential": credential} if credential else {}))
 
     def heartbeat(self, name: str, version: int | None = None, credential: str | None = None
                   ) -> dict[str, Any]:
@@ -62,10 +61,8 @@ class RegistryClient:
 
     def synced(self, version: int, versions: dict[str, int | None],
                anchor: list[Any] | None = None) -> None:
-        body: dict[str, Any] = {"version": version, "versions": versions}
-        if anchor is not None:
-            body["anchor"] = anchor
-        self._call("POST", "/fleet/synced", body)
+        self._call("POST", "/fleet/synced", {"version": version, "versions": versions}
+                   | ({"anchor": anchor} if anchor is not None else {}))
 
     def close(self) -> None:
         self.session.close()

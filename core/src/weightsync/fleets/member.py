@@ -1,8 +1,7 @@
-"""A member's side of the fleet: register, heartbeat every third of the lease with the version
-it holds, register again with its own credential when the registry forgot it (it restarted) or
-refuses it, saying why in `error` (the engine's /health shows it), deregister on the way out.
-Runs on a thread next to the engine (`weightsync serve --fleet`) or in a sidecar
-(`weightsync join`)."""
+"""A member's side of the fleet: register, heartbeat every third of the lease with the version it
+holds, register again with its own credential when the registry forgot it (it restarted) or refuses
+it, saying why in `error` (the engine's /health shows it), deregister on the way out. Runs on a
+thread next to the engine (`weightsync serve --fleet`) or in a sidecar (`weightsync join`)."""
 
 from __future__ import annotations
 
@@ -32,10 +31,9 @@ class Membership:
         self.registration = dict(registration)
         self.name = str(registration["name"])
         self.version = version or (lambda: None)
-        self.every = 1.0
+        self.every, self.registered = 1.0, False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.registered = False
         self.credential_file = Path(credential_file) if credential_file else None
         self.credential: str | None = None       # this member's own, from the registry
         if self.credential_file is not None and self.credential_file.is_file():

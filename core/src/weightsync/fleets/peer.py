@@ -202,8 +202,7 @@ class HttpPeerSource(PeerSource):
 
     def __init__(self, options: Any = None, timeout: float = 300.0) -> None:
         super().__init__(options)
-        self.session = requests.Session()
-        self.timeout = timeout
+        self.session, self.timeout = requests.Session(), timeout
 
     def _get(self, peer: Mapping[str, Any], path: str, params: dict[str, Any], cap: int) -> bytes:
         url = str(peer["url"]).rstrip("/") + path

@@ -95,28 +95,23 @@ class RegistryFleet(Fleet):
         if self.service is not None:
             return self.service.members()
         assert self.client is not None
-        if self.rollouts_only:
-            return self._rollout_members()
         out = []
-        for m in self.client._call("GET", "/fleet?with_keys=1")["members"]:
+        query = "rollouts=1" if self.rollouts_only else "with_keys=1"  # a router: rollout keys only
+        for m in self.client._call("GET", f"/fleet?{query}")["members"]:
             reg = m.get("registration") or {}
-            if m["role"] == "engine" and m["state"] in ("live", "behind") and reg:
+            if m["state"] not in ("live", "behind"):
+                continue
+            if self.rollouts_only:
+                r = m["rollout"]
+                spec = EngineSpec(url=r["url"], name=m["name"], api_key=r.get("api_key"),
+                                  adapter=ComponentRef(kind=r["adapter"]))
+            elif m["role"] == "engine" and reg:
                 spec = EngineSpec(url=reg["url"], name=reg["name"], api_key=reg.get("api_key"),
                                   adapter=ComponentRef.model_validate(reg.get("adapter") or "reference"),
                                   options=reg.get("options") or {})
-                out.append(Member(m["name"], spec, m.get("version"), {"state": m["state"]}))
-        return out
-
-    def _rollout_members(self) -> list[Member]:
-        """Engine members as a router may call them: URL, adapter kind, rollout key."""
-        assert self.client is not None
-        out = []
-        for m in self.client._call("GET", "/fleet?rollouts=1")["members"]:
-            r = m["rollout"]
-            if m["state"] in ("live", "behind"):
-                spec = EngineSpec(url=r["url"], name=m["name"], api_key=r.get("api_key"),
-                                  adapter=ComponentRef(kind=r["adapter"]))
-                out.append(Member(m["name"], spec, m.get("version"), {"state": m["state"]}))
+            else:
+                continue
+            out.append(Member(m["name"], spec, m.get("version"), {"state": m["state"]}))
         return out
 
     def excluded(self) -> dict[str, str]:

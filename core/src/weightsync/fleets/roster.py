@@ -118,9 +118,8 @@ class Roster:
 
     def check_name(self, reg: Registration, credential: str | None = None) -> None:
         """Refuse a name a live member holds (409), or one bound to another member's credential
-        that was heard from within `release_after` seconds (a lapse or a registry restart does
-        not free it), unless `credential` is that member's own (it registers again, e.g. with a
-        new URL after a restart)."""
+        heard from within `release_after` seconds (a lapse or a registry restart does not free it),
+        unless `credential` is that member's own (it registers again, e.g. at a new URL)."""
         now = time.monotonic()
         with self.lock:
             self.expire()

@@ -53,9 +53,7 @@ class RegistryService:
                  default_adapter: ComponentRef | None = None, peer_ttl: float = 600.0,
                  trainer_key: str | None = None, state_file: str | None = None,
                  router_key: str | None = None) -> None:
-        self.components = components
-        self.roster = Roster(lease)
-        self.api_key = api_key
+        self.components, self.roster, self.api_key = components, Roster(lease), api_key
         self.trainer_key = trainer_key           # reads engine keys, reports pushes
         self.router_key = router_key             # reads rollout keys (generation only)
         self.anchors: dict[int, list[Any]] = {}  # version -> the trainer's [[names], digest]s
@@ -235,8 +233,7 @@ class RegistryService:
 @routes.add("POST", "/fleet/register", max_body=256 * 1024)
 def _register(h: Any, q: dict) -> Any:
     body = _object(h)
-    cred = body.pop("credential", None)
-    return h.service.register(body, credential=cred)
+    return h.service.register(body, credential=body.pop("credential", None))
 
 
 def _object(h: Any) -> dict[str, Any]:
@@ -259,8 +256,7 @@ def _heartbeat(h: Any, q: dict) -> Any:
     v = body.get("version")
     if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
         raise HttpError(400, f"version must be a non-negative integer, got {v!r}")
-    m = h.service.roster.heartbeat(str(body.get("name", "")), v, body.get("credential"),
-                                   check=True)
+    m = h.service.roster.heartbeat(str(body.get("name", "")), v, body.get("credential"), check=True)
     h.service.catchup.poke()
     return m.view(0.0) | {"lease": h.service.roster.lease}
 

@@ -132,10 +132,9 @@ class Adapter(Bounded, Component):
 
 
 class HttpAdapter(Adapter):
-    """An adapter that talks HTTP to its engine, as every engine adapter does: one session (with
-    the engine's TLS verification), the engine's API key as a bearer header, its base URL, and
-    `request`, which raises EngineUnreachable / EngineUnavailable / EngineError with the engine's
-    own words (weightsync.net.client.call)."""
+    """An adapter that talks HTTP to its engine, as every engine adapter does: one session (with the
+    engine's TLS verification), the API key as a bearer header, the base URL, and `request`, raising
+    EngineUnreachable / EngineUnavailable / EngineError in the engine's own words."""
 
     def __init__(self, options: BaseModel | None = None, engine: "EngineSpec | None" = None) -> None:
         super().__init__(options, engine)
@@ -159,11 +158,10 @@ class HttpAdapter(Adapter):
 
 
 class AckedRound:
-    """The round of an engine that cannot hash what it loaded (`verification = "ack"`: SGLang's
-    and LMDeploy's own routes): the sender's digest of each bucket the engine acknowledged in
-    full. `end` returns them, so a bucket it refused or never answered is missing and the
-    pipeline fails the engine; thread-safe, because broadcasts are acknowledged on their own
-    threads."""
+    """The round of an engine that cannot hash what it loaded (`verification = "ack"`: SGLang's and
+    LMDeploy's own routes): the sender's digest of each bucket the engine acknowledged in full.
+    `end` returns them, so a bucket it refused or never answered is missing and the pipeline fails
+    the engine; thread-safe (broadcasts are acknowledged on their own threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

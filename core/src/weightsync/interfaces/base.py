@@ -16,7 +16,6 @@ from weightsync.errors import PayloadError
 
 NameMap = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
-
 Alloc = Callable[[int], torch.Tensor]   # nbytes -> a uint8 buffer the payload is written into
 
 

@@ -1,5 +1,4 @@
-"""Where the members of a push come from (Fleet), and how a joining member fetches a current
-member's weights (PeerSource)."""
+"""Where a push's members come from (Fleet); how a joiner fetches a peer's weights (PeerSource)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Member:
-    """One engine a fleet says a push must reach: a name, and the adapter spec built from its
-    registration (or its config entry)."""
+    """An engine a push must reach: its name and adapter spec (from its registration or config)."""
 
     name: str
     spec: "EngineSpec"                          # url, api_key, adapter kind and options
@@ -54,10 +52,9 @@ class Fleet(Component):
 
 
 class PeerSource(Component):
-    """How a joining member fetches a current member's weights: a JSON manifest (version,
-    buckets with their tensors and digests) and one payload per bucket. HTTP is built in; a
-    plugin can carry the bytes another way (RDMA) by registering its own source under another
-    name, which peers then advertise."""
+    """How a joining member fetches a current member's weights: a JSON manifest (version, buckets
+    with their tensors and digests) and one payload per bucket. HTTP is built in; a plugin may carry
+    bytes another way (RDMA) under another source name, which peers advertise."""
 
     @abc.abstractmethod
     def manifest(self, peer: Mapping[str, Any]) -> dict[str, Any]:

@@ -29,9 +29,8 @@ class Message:
 
 
 class Announce(Message):
-    """A payload whose body travels out of band (shared memory, a broadcast, a file): `body` is
-    its header. The engine stages it and answers {"digest": ...} once it holds the bytes.
-    Announces of one round carry `index` (and `seq`, where the order matters), and an engine
-    takes them in that order."""
+    """A payload whose body travels out of band (shared memory, a broadcast, a file): `body` is its
+    header. The engine stages it and answers {"digest": ...} once it holds the bytes. Announces of
+    one round carry `index` (and `seq` where order matters); an engine takes them in that order."""
 
     kind = "announce"

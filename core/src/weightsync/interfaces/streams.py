@@ -112,14 +112,12 @@ class TransportReceiver(abc.ABC):
 
     def hash_source(self, header: Mapping[str, Any]) -> bool | None:
         """Whether the body of `header` may be hashed as it is read, though it is shared memory
-        (the receiver checks it after the copy, `unchanged`); None: not supported, `private`
-        decides."""
+        (checked after the copy by `unchanged`); None: unsupported, `private` decides."""
         return None
 
     def unchanged(self, header: Mapping[str, Any]) -> None:
-        """After staging the body of `header`: raise PayloadError if the sender rewrote it
-        meanwhile (for receivers whose `hash_source` vouched for it); by default nothing to
-        check."""
+        """After staging the body of `header`: raise PayloadError if the sender rewrote it meanwhile
+        (for receivers whose `hash_source` vouched for it); by default no check."""
 
     @abc.abstractmethod
     def receive(self, header: Mapping[str, Any], body: memoryview | None) -> torch.Tensor:

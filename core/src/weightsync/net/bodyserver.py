@@ -182,18 +182,15 @@ class BodyServer:
 
     def withdraw(self, ref: dict[str, Any] | None = None) -> None:
         """Stop serving one published body (`ref` from publish), or all of them."""
+        if ref is not None:
+            self.withdraw_id(urlsplit(str(ref.get("url", ""))).query.removeprefix("id="))
+            return
         with self._lock:
-            if ref is None:
-                every = list(self._bodies.values())
-                self._bodies.clear()
-                for b in every:
-                    if isinstance(b.view, Live):
-                        b.view.fail()
-                return
-            bid = urlsplit(str(ref.get("url", ""))).query.removeprefix("id=")
-            gone = self._bodies.pop(bid, None)
-        if gone is not None and isinstance(gone.view, Live):
-            gone.view.fail()
+            every = list(self._bodies.values())
+            self._bodies.clear()
+            for b in every:
+                if isinstance(b.view, Live):
+                    b.view.fail()
 
     def withdraw_id(self, bid: str) -> None:
         """Stop serving an offered body (its fetches in progress end short)."""

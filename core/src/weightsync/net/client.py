@@ -1,5 +1,4 @@
-"""One place for talking HTTP to engines: bearer keys, timeouts, and errors that name the engine
-and carry the engine's own message."""
+"""HTTP to engines in one place: bearer keys, timeouts, errors naming the engine in its words."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class Parts:
 
 
 def session_for(engine: Any) -> requests.Session:
-    """A session for one engine: its TLS verification (`EngineSpec.verify`: true, a CA bundle,
-    or false) applies to every call."""
+    """A session for one engine, with its TLS verification (`EngineSpec.verify`) on every call."""
     s = requests.Session()
     s.verify = getattr(engine, "verify", True)
     return s
@@ -46,8 +44,7 @@ def error_text(resp: requests.Response) -> str:
     if isinstance(body, dict):
         for key in ("error", "message", "detail"):
             if body.get(key):
-                v = body[key]
-                return v if isinstance(v, str) else str(v)
+                return str(body[key])
     return str(body)[:2000]
 
 

@@ -53,7 +53,6 @@ class HeadGuard:
         self.max_heads, self.deadline = max_heads, deadline
         self.heads: dict[Any, float] = {}        # handler -> its head's deadline (insertion: age)
         self.lock = threading.Lock()
-        self.evicted = 0                         # connections closed for a slow head
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._reap, name="ws-head-reaper", daemon=True)
         self.thread.start()
@@ -74,7 +73,6 @@ class HeadGuard:
 
     def _drop(self, handler: Any) -> None:
         """Close the connection under the handler's blocked read: it sees the end and leaves."""
-        self.evicted += 1
         handler.dropped = True                   # a head cut short is never dispatched
         try:
             handler.connection.shutdown(socket.SHUT_RDWR)

@@ -5,6 +5,7 @@ stop that is SIGTERM to its process group, then SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,9 +19,8 @@ __all__ = ["ServerProcess", "group_alive"]
 
 
 class ServerProcess:
-    """One child: `launch(argv, env)`, `wait_healthy(url, timeout)`, `stop(grace)`; `kill()` is
-    a crash (SIGKILL to the group). A new `launch` after a stop starts it again (a restart on
-    the same port)."""
+    """One child: `launch(argv, env)`, `wait_healthy(url, timeout)`, `stop(grace)`; `kill()` is a
+    crash (SIGKILL to the group). A `launch` after a stop restarts it (on the same port)."""
 
     def __init__(self, name: str, log: Path | None = None) -> None:
         self.name, self.log = name, log
@@ -53,11 +53,9 @@ class ServerProcess:
                 code = self.proc.returncode
                 self.stop()
                 raise RuntimeError(f"{self.name} exited with {code} during start{self._see_log()}")
-            try:
+            with contextlib.suppress(requests.RequestException):
                 if requests.get(url, timeout=max(1.0, poll * 10), verify=verify).status_code == 200:
                     return
-            except requests.RequestException:
-                pass
             time.sleep(poll)
         self.stop()
         raise TimeoutError(f"{self.name} did not answer {url} within {timeout:g}s{self._see_log()}")
@@ -84,10 +82,8 @@ class ServerProcess:
         if p is not None and not self._stopped:
             self._stopped = True
             if self._signal(signal.SIGTERM):
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(grace)
-                except subprocess.TimeoutExpired:
-                    pass
                 self._signal(signal.SIGKILL)       # workers it forked, too
             if p.poll() is None:
                 p.kill()

@@ -19,6 +19,7 @@ written while its parts become available."""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.client
 import json
@@ -61,9 +62,8 @@ class HttpError(WeightSyncError):
 
 @dataclass
 class Streamed:
-    """A binary answer of `nbytes` written part by part as `parts` yields them (a relay's body
-    while it still arrives). One that stops short closes the connection: the client sees a
-    short body, never a wrong one."""
+    """A binary answer of `nbytes` written as `parts` yields them (a relay's body as it arrives);
+    one that stops short closes the connection: the client sees a short body, never a wrong one."""
     nbytes: int
     parts: Iterable[memoryview]
 
@@ -102,6 +102,7 @@ class Handler(BaseHTTPRequestHandler):
     body_timeout = 120.0                 # seconds any one read of a body may wait
     head_bytes = 64 * 1024               # request line and headers together
     proven = False                       # showed the key (or got an answer): never evicted
+    _length: int                         # body bytes not read yet (unset: Content-Length not read)
     routes: Routes
     api_key: str | None = None
     name = "weightsync"
@@ -127,9 +128,7 @@ class Handler(BaseHTTPRequestHandler):
     def read_body(self) -> memoryview:
         """The request body: chunks as they arrive (memory follows what was sent), then one
         buffer. At most the route's cap (checked before this is called)."""
-        n = getattr(self, "_length", None)
-        if n is None:
-            n = self.body_length()
+        n = self._length if hasattr(self, "_length") else self.body_length()
         self._length = 0                 # read once
         if n == 0:
             return memoryview(b"")
@@ -144,9 +143,7 @@ class Handler(BaseHTTPRequestHandler):
     def body_reader(self, gather: int = 0) -> BodyStream:
         """The request body as a stream (`read_into(view)`), never past its Content-Length;
         what is left unread is drained or the connection closed, as for a refused body."""
-        n = getattr(self, "_length", None)
-        if n is None:
-            n = self.body_length()
+        n = self._length if hasattr(self, "_length") else self.body_length()
         self._length = 0
         return BodyStream(self, n, gather)
 
@@ -288,10 +285,8 @@ class Handler(BaseHTTPRequestHandler):
             log.error("%s %s failed:\n%s", method, url.path, traceback.format_exc())
             self._refuse(500, f"{type(e).__name__}: {e}")
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 self.connection.settimeout(self.timeout)
-            except OSError:
-                pass
 
     def do_GET(self) -> None:  # noqa: N802
         self._dispatch("GET")
@@ -308,10 +303,8 @@ class Handler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own refusals (bad request line, headers too long) as JSON."""
         self.close_connection = True
-        try:
+        with contextlib.suppress(OSError):
             self.send_error_json(code, message or "bad request")
-        except OSError:
-            pass
 
 
 class Conflict409(PayloadError):
@@ -339,12 +332,10 @@ class Server(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
-            try:
+            with contextlib.suppress(OSError):
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                                 b"Connection: close\r\nContent-Length: 52\r\n\r\n"
                                 b'{"error": "too many connections; try again shortly"}')
-            except OSError:
-                pass
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -364,10 +355,8 @@ class Server(ThreadingHTTPServer):
         with self.guard.lock:
             conns, self.open_conns = list(self.open_conns), set()
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         with self.guard.lock:

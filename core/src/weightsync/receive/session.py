@@ -45,11 +45,6 @@ class ReceiveSession:
         buf = self.store.staging_buffer(name, t)
         return torch.empty_like(t, memory_format=torch.contiguous_format) if buf is None else buf
 
-    def _stage_all(self, named: list[tuple[str, torch.Tensor]], algo: str,
-                   header: Mapping[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], str]:
-        """A private copy of every tensor, and the digest of those copies (what commit loads)."""
-        return stage_from(self.rx, header, named, self._buffer, algo)
-
     def deliver(self, kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """A transport message (`Adapter.deliver`) for this round: its receiving half parses it,
         staging through this session where it carries a payload."""
@@ -102,7 +97,8 @@ class ReceiveSession:
                 return payload.digest
             ok = False
             try:      # stage (one copy) and digest what was staged: that is what commit loads
-                staged, got = self._stage_all(named, digest_algo(payload.digest), header)
+                staged, got = stage_from(self.rx, header, named, self._buffer,
+                                         digest_algo(payload.digest))
                 check_digest(payload, got)
                 ok = True
             finally:
@@ -186,8 +182,7 @@ class ReceiveSession:
         self.close()
 
     def close(self) -> None:
-        """No payload of this round writes into staging buffers after close returns (a new
-        round reuses them)."""
+        """No payload of this round writes to staging after close (the next round reuses it)."""
         with self.lock:
             self.closed = True
             self.idle.wait_for(lambda: self.busy == 0, timeout=60)

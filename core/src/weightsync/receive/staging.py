@@ -103,8 +103,7 @@ class BodyReader:
     PIECE = 256 << 10
 
     def __init__(self, read_into: Callable[[memoryview], int], nbytes: int) -> None:
-        self.read_into, self.left = read_into, nbytes
-        self.total = nbytes
+        self.read_into, self.left, self.total = read_into, nbytes, nbytes
 
     def exact(self, view: memoryview, feed: Callable[[int, int], Any] | None = None) -> None:
         """Fill `view`; `feed(offset, count)` after each piece lands in it."""
@@ -197,10 +196,9 @@ def read_staged(payload: Payload, reader: BodyReader,
 def stage_from(rx: TransportReceiver, header: Mapping[str, Any], named: list[tuple[str, torch.Tensor]],
                buffer: Callable[[str, torch.Tensor], torch.Tensor], algo: str
                ) -> tuple[list[tuple[str, torch.Tensor]], str]:
-    """`stage_digest` of a body that transport receiver `rx` lent for `header`: hashed as it is
-    read where the body is the receiver's own memory (`rx.private`) or the receiver vouches for
-    it (`rx.hash_source(header)`, then `rx.unchanged(header)` after the copy), else hashed from
-    the copies."""
+    """`stage_digest` of a body transport receiver `rx` lent for `header`: hashed as it is read
+    where the body is the receiver's own memory (`rx.private`) or the receiver vouches for it
+    (`rx.hash_source(header)`, then `rx.unchanged(header)` after the copy), else from the copies."""
     vouch = rx.hash_source(header)
     private = bool(vouch) if vouch is not None else bool(rx.private)
     out = stage_digest(named, buffer, algo, private)
@@ -214,4 +212,3 @@ def check_digest(payload: Payload, got: str) -> None:
         raise PayloadError(f"bucket {payload.index} (tensors {first!r}..): digest {got} does not "
                            f"match the sender's {payload.digest}; the payload was corrupted in "
                            f"transit and nothing was applied")
-

@@ -1,6 +1,5 @@
-"""What an engine exposes to the receiver (`WeightStore`: its tensors by HF name and an atomic
-load), the stores weightsync's own engines use, and the checks of a tensor or a checkpoint
-against them."""
+"""What an engine exposes to the receiver (`WeightStore`: its tensors by HF name, an atomic load),
+the stores weightsync's own engines use, and the checks of a tensor or checkpoint against them."""
 
 from __future__ import annotations
 
@@ -109,5 +108,3 @@ def check_tensor(store: _Named, name: str, t: torch.Tensor) -> torch.Tensor:
                            f"{dtype_name(live.dtype)}; use encoding 'cast' with dtype "
                            f"{dtype_name(live.dtype)!r}")
     return live
-
-

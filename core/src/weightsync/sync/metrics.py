@@ -11,8 +11,7 @@
   weightsync_version                              gauge: the last version pushed
   weightsync_probe_gap{engine}                    gauge: the probe's max |Δ logprob| per engine
   weightsync_logprob_gap{engine,stat}             gauge: the train–inference gap of the rollouts
-                                                  (mean, max), from `WeightSync.record_gap`
-"""
+                                                  (mean, max), from `WeightSync.record_gap`"""
 
 from __future__ import annotations
 
@@ -120,7 +119,6 @@ class Metrics:
                 self._m["gap"].labels(engine, "max").set(max_)
 
     def close(self) -> None:
-        server = self._server
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()

@@ -103,8 +103,7 @@ class PeerCatchUp:
         got = joiner.pull({"url": peer.engine.url, "token": token,
                            "source": str(info.get("source") or "http"), "anchor": anchor})
         if got != anchor["version"]:
-            raise WeightSyncError(f"after the pull it holds version {got}, not "
-                                  f"{anchor['version']}")
+            raise WeightSyncError(f"after the pull it holds version {got}, not {anchor['version']}")
         return got
 
 

@@ -34,22 +34,20 @@ def _is_follower() -> bool:
     return dist is not None and dist.get_rank() != 0
 
 
+def _device(dist: Any) -> torch.device | str:
+    gpu = dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if gpu else "cpu"
+
+
 def _share_report(report: SyncReport | None) -> SyncReport:
     """Rank 0's report on every rank of the trainer's default group, as JSON bytes in a tensor
     broadcast (no pickle). Every rank calls this once per push, rank 0 with its report."""
     dist = world()
     assert dist is not None
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    if report is not None:
-        data = json.dumps(report.to_json()).encode()
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    if report is not None:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    else:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    data = json.dumps(report.to_json()).encode() if report is not None else b""
+    n = _share_int(len(data) if report is not None else None)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_device(dist))
+           if report is not None else torch.empty(n, dtype=torch.uint8, device=_device(dist)))
     dist.broadcast(buf, 0)
     if report is not None:
         return report
@@ -62,8 +60,7 @@ def _share_int(value: int | None) -> int:
     """Rank 0's `value` on every rank of the trainer's default group."""
     dist = world()
     assert dist is not None
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value if value is not None else 0], dtype=torch.int64, device=device)
+    t = torch.tensor([value if value is not None else 0], dtype=torch.int64, device=_device(dist))
     dist.broadcast(t, 0)
     return int(t.item())
 
@@ -72,8 +69,7 @@ class WeightSync:
     """The pipeline assembled from a SyncConfig. `push(model, version=v)` is the trainer's one call."""
 
     def __init__(self, resolved: ResolvedConfig, components: Components) -> None:
-        self.resolved = resolved
-        self.components = components
+        self.resolved, self.components = resolved, components
         self.settings = resolved.config.sync
         r = resolved
         self.exporter = r.exporter_cls(r.exporter_options)

@@ -54,9 +54,7 @@ class SyncReport:
     @property
     def ok(self) -> bool:
         """Every engine reached this version (a publish-only push: the version was published)."""
-        if self.published:
-            return True
-        return bool(self.engines) and all(o.ok for o in self.engines.values())
+        return self.published or (bool(self.engines) and all(o.ok for o in self.engines.values()))
 
     @property
     def failed(self) -> list[str]:

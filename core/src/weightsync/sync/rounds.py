@@ -47,9 +47,8 @@ class Clock:
 
     @property
     def sending(self) -> float:
-        """When sending must end: the deadline less the time kept for verify and commit (a
-        tenth of it, at most 60 s), so engines that hold every bucket commit even when a relay
-        or a link ate the rest."""
+        """When sending must end: the deadline less a tenth of it (at most 60 s) kept for verify and
+        commit, so engines holding every bucket commit even if a relay or link ate the rest."""
         return self.deadline - min(self.seconds / 10, 60.0)
 
     def since(self) -> float:
@@ -306,8 +305,7 @@ class GroupRound:
             self._commit_failed(active, fails)
             active = [a for a in active if a.engine_name not in fails]
             for a in active:
-                o = self.report.engines[a.engine_name]
-                o.version = version
+                self.report.engines[a.engine_name].version = version
         except BaseException as e:
             for a in active:
                 self.report.engines[a.engine_name].fail("send", f"sync aborted: {type(e).__name__}: {e}")

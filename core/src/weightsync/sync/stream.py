@@ -1,6 +1,5 @@
-"""The data path of one round: export and encode bucket i+1 on a worker thread while bucket i is
-being sent; at most `max_inflight` payloads exist at once, and a payload that will never be sent
-gives its transport buffer back."""
+"""The data path of a round: bucket i+1 is exported and encoded on a worker thread while bucket i is
+sent; at most `max_inflight` payloads exist, and one never sent gives its buffer back."""
 
 from __future__ import annotations
 
@@ -30,9 +29,8 @@ class Progress:
     """A rich progress bar when interactive (or asked for), silent otherwise."""
 
     def __init__(self, setting: str, total: int | None, version: int) -> None:
-        show = setting == "on" or (setting == "auto" and sys.stderr.isatty())
         self.bar = None
-        if show:
+        if setting == "on" or (setting == "auto" and sys.stderr.isatty()):
             from rich.progress import BarColumn, DownloadColumn, Progress as Bar, TransferSpeedColumn
             self.bar = Bar("[progress.description]{task.description}", BarColumn(),
                            DownloadColumn(), TransferSpeedColumn(), transient=True)
@@ -58,17 +56,15 @@ class Stream:
         self.max_inflight, self.progress, self.timed = max_inflight, progress, timed
         self.key = key
         self.on_pass = on_pass or (lambda: None)   # counts exporter passes (multi-rank trainers)
-        self.names: dict[int, list[str]] = {}       # each bucket's tensors (with its digest: the
-                                                    # trainer's anchor for peer joins)
+        self.names: dict[int, list[str]] = {}       # each bucket's tensors (peer joins' anchor)
 
     def run(self, model: Any, name_map: NameMap | None, report: SyncReport, active: list[Adapter],
             drop: Callable[[list[Adapter], dict[str, BaseException], str], list[Adapter]],
             digests: dict[int, str], *, mode: str = "engines", count: bool = True) -> list[Adapter]:
-        """Stream every bucket to `active`; returns the engines still in. `mode` "publish": sent
-        with no engine (publish-only transports); "encode": encoded and dropped (an encoding whose
-        state must advance though no engine takes it); "engines": stops once none is left.
-        Every payload's digest goes into `digests`; `count` False adds only wire bytes to the
-        report (a catch-up pass)."""
+        """Stream every bucket to `active`; returns the engines still in. `mode` "publish": no
+        engine (publish-only transports); "encode": encoded and dropped (the encoding's state must
+        advance though no engine takes it); "engines": stops once none is left. Each payload's
+        digest goes into `digests`; `count` False reports only wire bytes (a catch-up pass)."""
         timed = self.timed
         self.on_pass()
         slots = threading.Semaphore(self.max_inflight)
@@ -77,8 +73,7 @@ class Stream:
         bar = Progress(self.progress, model_bytes(model), report.version)
         alloc = self.transport.alloc
         ahead = self.transport.announce_ahead       # collective: announce on packing
-        changed = elements = 0
-        sent = 0
+        changed = elements = sent = 0
 
         def produce() -> None:
             it = None

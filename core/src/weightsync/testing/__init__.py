@@ -24,8 +24,7 @@ _CONTRACTS = ("AdapterContract", "EncodingContract", "ExporterContract", "PeerSo
 
 
 def __getattr__(name: str) -> Any:
-    """The contract classes load on first use: they need pytest (the `testing` extra), while the
-    sample weights also serve plain installs."""
+    """Contracts load on first use: they need pytest (the `testing` extra); the samples do not."""
     if name not in _CONTRACTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:

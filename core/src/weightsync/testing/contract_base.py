@@ -8,8 +8,7 @@ __all__ = ["Contract"]
 
 
 class Contract:
-    """Subclassed directly by each contract class (`TransportContract(Contract, abc.ABC)`), whose
-    tests a plugin's subclass inherits."""
+    """Subclassed directly by each contract class; a plugin's subclass inherits its tests."""
 
     def test_no_silent_overrides(self) -> None:
         """A subclass that overrides a contract test must mark it xfail with a reason."""

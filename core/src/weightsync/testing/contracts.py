@@ -1,7 +1,6 @@
-"""Contract tests shipped with core. Subclass one, fill in its factory, and pytest runs every
-test against your component. Fixtures live on the classes, so no pytest plugin is needed.
-Overriding a contract test is allowed only with an xfail mark that says why
-(test_no_silent_overrides checks)."""
+"""Contract tests shipped with core. Subclass one, fill in its factory, and pytest runs every test
+against your component. Fixtures live on the classes, so no pytest plugin is needed. A contract test
+may be overridden only with an xfail mark saying why (test_no_silent_overrides checks)."""
 
 from __future__ import annotations
 

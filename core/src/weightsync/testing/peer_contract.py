@@ -20,9 +20,8 @@ from weightsync.testing.contract_base import Contract
 
 @dataclass
 class ServingPeer:
-    """A member serving its weights to joiners: `share()` opens a fresh share and returns what
-    the registry would hand a joiner (url, token, source); `weights` and `version` are what the
-    member holds."""
+    """A member serving its weights to joiners: `share()` opens a fresh share and returns what the
+    registry would hand a joiner (url, token, source); `weights`, `version`: what it holds."""
 
     share: Callable[[], dict[str, Any]]
     weights: dict[str, torch.Tensor]
@@ -39,8 +38,7 @@ class PeerSourceContract(Contract, abc.ABC):
 
     @abc.abstractmethod
     def serving_peer(self, tmp_path: Path) -> Iterator[ServingPeer]:
-        """A generator: start a member that holds weights at a version above 0, yield it as a
-        ServingPeer, stop it after."""
+        """Generator: start a member with weights at a version > 0, yield a ServingPeer, stop it."""
 
     @pytest.fixture(scope="class")
     @classmethod

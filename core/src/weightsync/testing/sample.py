@@ -33,13 +33,8 @@ def sample_state_dict(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
 def perturb(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """A new version: every floating tensor changes (as after an optimizer step)."""
     g = torch.Generator().manual_seed(1000 + seed)
-    out = {}
-    for k, v in sd.items():
-        if v.is_floating_point() and v.numel():
-            out[k] = (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(v.dtype)
-        else:
-            out[k] = v.clone()
-    return out
+    return {k: (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(v.dtype)
+            if v.is_floating_point() and v.numel() else v.clone() for k, v in sd.items()}
 
 
 def write_weights_only_model(path: str | Path, sd: dict[str, torch.Tensor]) -> Path:

@@ -11,8 +11,7 @@ def wait_for(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condit
     (AssertionError naming `what`)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = cond()
-        if got:
+        if got := cond():
             return got
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -14,20 +15,9 @@ __all__ = ["Bucket", "DIGEST_ALGOS", "DTYPES", "TensorSpec", "combine_digests", 
            "digest_tensors", "dtype_from_name", "dtype_name", "tensor_bytes", "tensor_digest",
            "tensor_hasher", "tensor_header"]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2")}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,10 +109,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:

@@ -19,8 +19,7 @@ from (its extension module exports XXH3_128bits_*). Three paths, all giving the 
   release the GIL; the chunk is still in the second-level cache when it is hashed);
 - without them: torch's copy, then the `xxhash` package over the copy (two passes).
 
-The disk_delta plugin's compiled compare and write feed the same `Digest` from their own loops.
-"""
+The disk_delta plugin's compiled compare and write feed the same `Digest` from their own loops."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ CHUNK_BYTES = 128 << 10        # per step of the Python loop (in L2)
 
 
 def library() -> Any:
-    """The xxHash C library inside the `xxhash` package, or None where it does not export the
-    streaming XXH3-128 functions."""
+    """The xxHash C library in the `xxhash` package; None where it lacks streaming XXH3-128."""
     global _lib, _loaded
     with _lock:
         if not _loaded:

@@ -17,8 +17,7 @@ from weightsync.errors import PayloadError
 
 __all__ = ["SAFETENSORS_DTYPES", "frame", "header_entries", "header_length", "pack", "pack_digest",
            "packed_size", "parse_header", "read_file_header", "read_frame_header", "read_header",
-           "safetensors_layout",
-           "target_dtype", "unframe", "unpack"]
+           "safetensors_layout", "target_dtype", "unframe", "unpack"]
 
 _ST_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -123,11 +122,7 @@ def packed_size(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, s
 
 def read_header(buf: torch.Tensor) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(start of the data section, per-tensor header entries in file order, __metadata__)."""
-    if buf.numel() < 8:
-        raise PayloadError("payload is truncated: shorter than the 8-byte safetensors header length")
-    (hlen,) = struct.unpack("<Q", bytes(buf[:8].cpu().numpy()))
-    if hlen > _MAX_HEADER or 8 + hlen > buf.numel():
-        raise PayloadError(f"payload header length {hlen} does not fit a {buf.numel()}-byte payload")
+    hlen = header_length(bytes(buf[:8].cpu().numpy()), buf.numel())
     try:
         header = json.loads(bytes(buf[8: 8 + hlen].cpu().numpy()))
     except ValueError as e:

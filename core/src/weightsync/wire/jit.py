@@ -24,8 +24,7 @@ _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 
 @intrinsic
 def prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
-    """llvm.prefetch (read, keep in all cache levels) of the byte at integer address `addr`; a
-    prefetch never faults."""
+    """llvm.prefetch (read, all caches) of the byte at integer address `addr`; never faults."""
     if not isinstance(addr, types.Integer):
         return None
     sig = types.void(addr)

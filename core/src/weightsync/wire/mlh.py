@@ -35,8 +35,7 @@ _keys_lock = threading.Lock()
 
 
 def _splitmix64(seed: int, n: int) -> np.ndarray:
-    x = (np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-         + np.uint64(seed))
+    x = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed)
     x ^= x >> np.uint64(30)
     x *= np.uint64(0xBF58476D1CE4E5B9)
     x ^= x >> np.uint64(27)
@@ -153,10 +152,8 @@ def mlh_digests(items: list[tuple[bytes, torch.Tensor]], use_triton: bool | None
         by_device.setdefault(s.device, []).append(i)
     for idx in by_device.values():
         flat = torch.cat([sums[i] for i in idx]).cpu().numpy().astype("<i8", copy=False)
-        off = 0
-        for i in idx:
-            host[i] = flat[off: off + sums[i].numel()]
-            off += sums[i].numel()
+        for i, part in zip(idx, np.split(flat, np.cumsum([sums[i].numel() for i in idx])[:-1])):
+            host[i] = part
     out = []
     for (header, t), s in zip(items, host):
         h = xxhash.xxh3_128(header)

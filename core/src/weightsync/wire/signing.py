@@ -70,9 +70,8 @@ SIGNATURE_FILE = "weightsync-signature.json"
 
 
 def tensor_digests(named: Mapping[str, Any]) -> dict[str, str]:
-    """SHA-256 per tensor over its name, dtype, shape and bytes: what a checkpoint's signature
-    binds (a cryptographic digest, since a signature over xxh3 would not stop a forger who can
-    write the directory)."""
+    """SHA-256 per tensor over its name, dtype, shape and bytes: what a checkpoint's signature binds
+    (cryptographic: a signature over xxh3 would not stop a forger who can write the directory)."""
     import torch
     out = {}
     for name in sorted(named):
@@ -110,10 +109,9 @@ def sign_checkpoint(key: bytes, path: str | Path, version: int) -> Path:
 
 def check_checkpoint(key: bytes | None, path: str | Path, version: int,
                      named: Mapping[str, Any], signature: Any = None) -> None:
-    """Refuse a checkpoint (already read into `named`) that is not signed with `key` as
-    `version` (only when this side holds a key). The signature comes with the request or from
-    the directory's signature file. The digests are of what was read, so a file changed after
-    the check cannot slip in."""
+    """Refuse a checkpoint (already read into `named`) not signed with `key` as `version` (only when
+    this side holds a key). The signature comes with the request or from the directory's signature
+    file. The digests are of what was read, so a file changed after the check cannot slip in."""
     if key is None:
         return
     f = Path(path) / SIGNATURE_FILE

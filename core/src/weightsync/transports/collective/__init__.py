@@ -18,8 +18,7 @@ engines that did not answer are dropped and the group is built once more without
 The package: `options` (what users set), `receiving` (the engine's half: joining and receiving),
 `group` (the trainer's group lifecycle: build, join failures, rebuild), `ahead` (the
 announce-ahead state), `layout` (how a payload is cut into broadcasts) and `sending` (the
-trainer's half: send buffers, announces, broadcasts and who broke one).
-"""
+trainer's half: send buffers, announces, broadcasts and who broke one)."""
 
 from weightsync.transports.collective.layout import body_layout, split_payload
 from weightsync.transports.collective.messages import Broadcast, JoinGroup, LeaveGroup

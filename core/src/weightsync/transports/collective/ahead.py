@@ -27,8 +27,7 @@ class _Ahead:
 
 
 class AnnounceAhead:
-    """The announce-ahead half of `CollectiveTransport` (which holds the attributes named here
-    and `_layout`)."""
+    """The announce-ahead half of `CollectiveTransport`, which holds the attributes named here."""
 
     group: pgs.Group | None
     key: tuple | None

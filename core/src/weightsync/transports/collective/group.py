@@ -11,7 +11,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
-
 from weightsync.errors import ConfigError, TransportError
 from weightsync.interfaces import Adapter
 from weightsync.interfaces.capabilities import group_ranks

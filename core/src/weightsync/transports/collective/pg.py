@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
 __all__ = ["Group", "broadcast", "default_backend", "finish_broadcast", "forget", "make_store",
            "new_group", "shutdown", "start_broadcast"]
 
@@ -32,11 +31,6 @@ class Group:
     rank: int
     world_size: int
     backend: str
-
-    def destroy(self) -> None:
-        """Best effort: forget the group and release the backend's sockets/communicators."""
-        forget(self.pg)
-        shutdown(self.pg)
 
 
 def default_backend() -> str:

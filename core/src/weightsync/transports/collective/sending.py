@@ -87,7 +87,6 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
             if b.holds(body):
                 b.free.set()
 
-
     def open(self, engines: Sequence[Adapter], version: int) -> dict[str, BaseException]:
         with self._ring_lock:       # buffers of an aborted sync were never sent: all free again
             self._turn = 0
@@ -160,8 +159,7 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         # or to repeat in the announce (the payload header lists the tensors already)
         pieces = ([(payload.body, "uint8", None)] if layout == "safetensors"
                   else split_payload(payload.body, layout))
-        k = 0
-        attempts = 0
+        k = attempts = 0
         ahead = self._take_ahead(payload, engines)
         while k < len(pieces) and engines:
             fails = self._ensure(engines)

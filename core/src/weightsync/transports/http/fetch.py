@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,7 +27,7 @@ from weightsync.interfaces import Adapter, Payload, RelaysFetches
 from weightsync.interfaces.capabilities import group_ranks
 from weightsync.transports.http.messages import FetchPayload
 from weightsync.transports.http.pieces import piece_digests
-from weightsync.transports.http.strikes import Strikes, plan
+from weightsync.transports.http.strikes import Relaying
 
 log = logging.getLogger("weightsync.transport.pull")
 
@@ -43,29 +42,16 @@ def depths(kids: Mapping[str, list[str]], root: str) -> dict[str, int]:
     return out
 
 
-class FetchRelays:
+class FetchRelays(Relaying):
     """The fetch relays of one transport: its body server, the plan per bucket, and what went
     around the tree (`events`: members that took bytes from the trainer, and why)."""
 
     def __init__(self, degree: int, piece_bytes: int, stall: float, host: str,
                  advertise: str | None, timeout: float) -> None:
-        self.degree, self.piece_bytes, self.stall = degree, piece_bytes, stall
+        super().__init__(degree, piece_bytes, stall, log)
         self.bodies = BodyServer(host, advertise=advertise, timeout=timeout, max_connections=64)
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ws-pull")
-        self.lock = threading.Lock()
-        self.events: list[str] = []
         self.trainer_fetches = 0             # bodies fetched from the trainer (root + fallbacks)
-        self.strikes = Strikes()
-
-    def open(self) -> None:
-        self.strikes.open()
-        with self.lock:
-            self.events = []
-
-    def _note(self, msg: str) -> None:
-        log.info("%s", msg)
-        with self.lock:
-            self.events.append(msg)
 
     def push(self, payload: Payload, body: Any, members: Sequence[Adapter],
              left: Callable[[], float]) -> dict[str, BaseException]:
@@ -159,14 +145,6 @@ class FetchRelays:
                 f"as a relay it passed bytes of bucket {payload.index} to {child} that do not "
                 f"match the digests the trainer announced; it is not trusted with this version"))
         return fails
-
-    def plan(self, names: Sequence[str]) -> dict[str, list[str]]:
-        """Who feeds whom among `names` this bucket: relays that misbehaved are leaves."""
-        return plan(names, self.degree, [n for n in names if n in self.strikes.leaves()])
-
-    def _demote(self, name: str, why: str) -> None:
-        if self.strikes.demote(name, why):
-            self._note(f"relay {name} demoted to a leaf: {why}")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

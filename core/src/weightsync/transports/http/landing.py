@@ -89,12 +89,10 @@ class Landing:
     def __init__(self, read_into: Callable[[memoryview], int], nbytes: int, piece_bytes: int,
                  check: Callable[[int, str], None], ready: Callable[[int, int], None],
                  what: str = "the body", owned: Any = None) -> None:
-        self.read_into, self.piece_bytes = read_into, piece_bytes
-        self.what, self.owned = what, owned
-        self.check, self.ready = check, ready
+        self.read_into, self.piece_bytes, self.what = read_into, piece_bytes, what
+        self.owned, self.check, self.ready = owned, check, ready
         self.spans = Spans(nbytes)
-        self.at = 0
-        self.piece = 0
+        self.at = self.piece = 0
         self.digest = Digest(PIECE_HEADER)
         self.failed: BaseException | None = None
 

@@ -228,8 +228,7 @@ class Desk:
 
 
 class Feed:
-    """The frame for one child, sent while its pieces still arrive (an iterable body with a
-    Content-Length: requests streams it)."""
+    """One child's frame, sent as its pieces arrive (iterable, with a Content-Length: streamed)."""
 
     def __init__(self, child: Mapping[str, Any], prefix: list[bytes], body: Spans,
                  deadline: float) -> None:

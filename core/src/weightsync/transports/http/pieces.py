@@ -41,11 +41,8 @@ def ack(key: str, index: int, status: str, detail: str = "") -> str:
 
 def entry(key: str, index: int, status: str, detail: str = "", error: str = "") -> dict[str, Any]:
     """One member's signed answer for the trainer."""
-    out: dict[str, Any] = {"status": status, "detail": detail,
-                           "mac": ack(key, index, status, detail)}
-    if error:
-        out["error"] = error
-    return out
+    return ({"status": status, "detail": detail, "mac": ack(key, index, status, detail)}
+            | ({"error": error} if error else {}))
 
 
 def checked(key: str, index: int, got: Any) -> tuple[str, str] | None:
@@ -54,8 +51,7 @@ def checked(key: str, index: int, got: Any) -> tuple[str, str] | None:
     if not isinstance(got, Mapping):
         return None
     status, detail, mac = got.get("status"), got.get("detail", ""), got.get("mac")
-    if not (isinstance(status, str) and isinstance(detail, str) and isinstance(mac, str)):
-        return None
-    if not hmac.compare_digest(mac, ack(key, index, status, detail)):
+    if not (isinstance(status, str) and isinstance(detail, str) and isinstance(mac, str)
+            and hmac.compare_digest(mac, ack(key, index, status, detail))):
         return None
     return status, detail

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any, Callable, Mapping
 
@@ -27,15 +26,10 @@ from weightsync.interfaces import Adapter, Endpoint, Payload, RelaysPayloads
 from weightsync.transports.http.messages import ExpectRelay, RelayOutcome
 from weightsync.transports.http.pieces import checked, piece_digests
 from weightsync.transports.http.member_relay import RELAY_HEADER
-from weightsync.transports.http.strikes import Strikes, order, plan
+from weightsync.transports.http.strikes import Relaying, order
 from weightsync.wire.frame import frame
 
 log = logging.getLogger("weightsync.transport.relay")
-
-
-def _below(kids: dict[str, list[str]], name: str) -> list[str]:
-    """Every member under `name` in the tree (not `name` itself)."""
-    return order(kids, name)[1:]
 
 
 def relay_target(a: Adapter) -> Endpoint | None:
@@ -50,38 +44,25 @@ def _target(a: Adapter) -> Endpoint:
     return t
 
 
-class Relays:
+class Relays(Relaying):
     """Per round: each member's relay token (lets its parent post to it, this round only) and
     answer key (signs its outcome; no relay ever sees it)."""
 
     def __init__(self, degree: int, piece_bytes: int, stall: float) -> None:
-        self.degree, self.piece_bytes, self.stall = degree, piece_bytes, stall
+        super().__init__(degree, piece_bytes, stall, log)
         self.tokens: dict[str, str] = {}
         self.keys: dict[str, str] = {}
         self.pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="ws-relay")
-        self.lock = threading.Lock()
-        self.events: list[str] = []          # what went around the tree (fallbacks, blame)
-        self.strikes = Strikes()
 
     def open(self) -> None:
         with self.lock:
             self.tokens.clear()
             self.keys.clear()
-            self.events = []
-        self.strikes.open()
-
-    def plan(self, names: list[str]) -> dict[str, list[str]]:
-        """Who feeds whom among `names` this bucket: relays that misbehaved are leaves."""
-        return plan(names, self.degree, [n for n in names if n in self.strikes.leaves()])
+        super().open()
 
     def _secret(self, table: dict[str, str], name: str) -> str:
         with self.lock:
             return table.setdefault(name, secrets.token_hex(16))
-
-    def _note(self, msg: str) -> None:
-        log.info("%s", msg)
-        with self.lock:
-            self.events.append(msg)
 
     def _announce(self, payload: Payload, pieces: list[str], kids: dict[str, list[str]],
                   by: dict[str, Adapter], left: Callable[[], float]) -> dict[str, BaseException]:
@@ -146,7 +127,7 @@ class Relays:
         def unreachable(n: str, why: str) -> None:
             """A member that cannot be reached relays nothing: its whole subtree now."""
             feed(n, why)
-            for c in _below(kids, n):
+            for c in order(kids, n)[1:]:             # every member under n in the tree
                 feed(c, f"relay {n} above it cannot be reached")
         for n in by:
             if n in refused:
@@ -193,10 +174,6 @@ class Relays:
                                           f"relay tree ({f.reason}), and the trainer's own send "  # type: ignore[attr-defined]
                                           f"failed too: {type(e).__name__}: {e}")
         return fails
-
-    def _demote(self, name: str, why: str) -> None:
-        if self.strikes.demote(name, why):
-            self._note(f"relay {name} demoted to a leaf: {why}")
 
     def _feed_root(self, payload: Payload, body: Any, root: Adapter,
                    post: Callable[[Adapter, Any, float], Any], left: Callable[[], float]

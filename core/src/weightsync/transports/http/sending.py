@@ -173,10 +173,8 @@ class HttpTransport(Transport):
             raise TransportError(f"adapter {adapter.name!r} has no HTTP payload endpoint")
         ep = adapter.payload_endpoint()
         header = payload.header()
-        if ep.render is not None:
-            parts, ctype = ep.render(header, body)
-        else:
-            parts, ctype = frame(header, body), "application/octet-stream"
+        parts, ctype = (ep.render(header, body) if ep.render is not None
+                        else (frame(header, body), "application/octet-stream"))
         for attempt in range(self.options.retries + 1):
             try:
                 call(self._session(adapter, lane), adapter.engine_name, "POST", ep.url,

@@ -12,10 +12,11 @@ copy through the tree (the trainer's link sends one copy either way)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Sequence
 
-__all__ = ["MAX_BENCH", "Strikes", "plan", "tree"]
+__all__ = ["MAX_BENCH", "Relaying", "Strikes", "plan", "tree"]
 
 MAX_BENCH = 16        # pushes a member sits out at most, however often it misbehaved
 
@@ -111,3 +112,32 @@ class Strikes:
                 else:
                     out[n] = f"relay benched (strike {k}: {why}); a leaf this push"
             return out
+
+
+class Relaying:
+    """What both relay shapes (push and fetch) keep across a transport's pushes: the tree's
+    degree, the strikes, and what went around the tree (`events`, each also logged to `log`)."""
+
+    def __init__(self, degree: int, piece_bytes: int, stall: float, log: logging.Logger) -> None:
+        self.degree, self.piece_bytes, self.stall, self.log = degree, piece_bytes, stall, log
+        self.lock = threading.Lock()
+        self.events: list[str] = []
+        self.strikes = Strikes()
+
+    def open(self) -> None:
+        with self.lock:
+            self.events = []
+        self.strikes.open()
+
+    def plan(self, names: Sequence[str]) -> dict[str, list[str]]:
+        """Who feeds whom among `names` this bucket: relays that misbehaved are leaves."""
+        return plan(names, self.degree, [n for n in names if n in self.strikes.leaves()])
+
+    def _note(self, msg: str) -> None:
+        self.log.info("%s", msg)
+        with self.lock:
+            self.events.append(msg)
+
+    def _demote(self, name: str, why: str) -> None:
+        if self.strikes.demote(name, why):
+            self._note(f"relay {name} demoted to a leaf: {why}")

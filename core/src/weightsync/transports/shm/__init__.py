@@ -29,8 +29,7 @@ byte, as for a bare copy) instead of hashing the copy afterwards.
 
 The package: `segments` (the sender's shared buffers, their names and their reaping),
 `receiving` (the engine's half: mapping a segment, checking its generation) and `sending` (the
-trainer's half: buffers used in turn, announces, releases).
-"""
+trainer's half: buffers used in turn, announces, releases)."""
 
 from weightsync.transports.shm.receiving import ShmReceiver, forget_mappings
 from weightsync.transports.shm.segments import (GEN_BYTES, NAME_RE, PREFIX, SHM_DIR, Segment,

@@ -1,6 +1,5 @@
-"""The engine's half of transport `shm`: map the sender's segment read-only (cached: the same
-buffers come back every bucket), check its generation before and after staging, and return a
-zero-copy view of the payload body."""
+"""The engine's half of transport `shm`: map the sender's segment read-only (cached), check its
+generation before and after staging, and return a zero-copy view of the payload body."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ def _generation(buf: torch.Tensor) -> int:
 
 
 class ShmReceiver(TransportReceiver):
-    """Maps the sender's segment (cached: the same buffers come back every bucket) and returns a
-    zero-copy view of the payload body."""
+    """Maps the sender's segments (cached: the same buffers recur) and returns zero-copy views."""
 
     def hash_source(self, header: Mapping[str, Any]) -> bool:
         """The body may be hashed as it is read (not from the copy): its buffer has a generation
@@ -109,10 +107,7 @@ class ShmReceiver(TransportReceiver):
         if nbytes != int(header.get("nbytes", nbytes)):
             raise PayloadError(f"bucket {header.get('index')}: transport says {nbytes} bytes, "
                                f"payload says {header.get('nbytes')}")
-        if "cuda_ipc" in tr:
-            buf = _open_cuda(tr["cuda_ipc"])
-        else:
-            buf = _open_cpu(str(tr.get("segment")))
+        buf = _open_cuda(tr["cuda_ipc"]) if "cuda_ipc" in tr else _open_cpu(str(tr.get("segment")))
         room = buf.numel()
         if "generation" in tr and "cuda_ipc" not in tr:
             room -= GEN_BYTES

@@ -4,6 +4,7 @@ the sender dies), and the generation counter in a CPU segment's tail."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -32,10 +33,8 @@ def _tracker(op: str, name: str) -> None:
 
 
 def unlink(name: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
 
 
 @dataclass
@@ -68,10 +67,8 @@ class Segment:
             _tracker("unregister", self.name)
         self.tensor, self.ipc, self.name, self.size = None, None, None, 0
         if self.mm is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a payload view holds it; GC unmaps it later
                 self.mm.close()
-            except BufferError:      # a payload view is still referenced; GC unmaps it later
-                pass
             self.mm = None
 
 

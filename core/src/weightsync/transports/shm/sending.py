@@ -65,10 +65,6 @@ class ShmTransport(Transport):
         self._pool: ThreadPoolExecutor | None = None
 
     # -- buffers ----------------------------------------------------------------------------
-    def _fresh_name(self) -> str:
-        self.created += 1
-        return f"{PREFIX}{os.getpid()}-{self.token}-{self.created}"
-
     def _grow(self, seg: Segment, nbytes: int) -> None:
         seg.drop()
         size = max(nbytes, 1)
@@ -77,7 +73,8 @@ class ShmTransport(Transport):
             seg.tensor = torch.empty(size, dtype=torch.uint8, device="cuda")
             seg.ipc = export_buffer(seg.tensor)
         else:
-            seg.name = self._fresh_name()
+            self.created += 1
+            seg.name = f"{PREFIX}{os.getpid()}-{self.token}-{self.created}"
             seg.mm, seg.tensor = create_cpu_segment(seg.name, size + GEN_BYTES)
         seg.size = size
 
@@ -195,13 +192,10 @@ class ShmTransport(Transport):
                             f"engine did not finish reading shm buffer {s.index} within "
                             f"{self.options.timeout}s"))
         if not self.options.keep_segments:
-            self._drop_free()
+            for s in self.segs:
+                if s.free.is_set():
+                    s.drop()
         return fails
-
-    def _drop_free(self) -> None:
-        for s in self.segs:
-            if s.free.is_set():
-                s.drop()
 
     def close(self) -> None:
         self._wait_all(min(self.options.timeout, 30.0))
