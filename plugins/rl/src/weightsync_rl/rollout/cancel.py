@@ -48,6 +48,14 @@ class Scope:
         for c in conns:
             _shut(c)
 
+    def close(self) -> None:
+        """The call ended: its connections went back to the pool, and a later `cancel` must
+        not reach them (another call may be using one)."""
+        with self.lock:
+            if self.why is None:
+                self.why = "done"
+            self.conns.clear()
+
     @contextmanager
     def active(self) -> Iterator["Scope"]:
         """Connections this thread takes inside the block belong to this scope."""

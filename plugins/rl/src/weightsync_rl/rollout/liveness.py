@@ -52,7 +52,7 @@ class Liveness:
 
     def end(self, slot: Any, scope: Scope, answered: bool) -> None:
         """The call ended; an answer (even a refusal) is a sign of life."""
-        scope.cancel("done")                 # later cancels reach no reused connection
+        scope.close()                        # later cancels reach no reused connection
         with self.lock:
             self.running.get(slot.name, set()).discard(scope)
             self.callers.pop(scope, None)
