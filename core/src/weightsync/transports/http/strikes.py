@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+from typing import Collection, Sequence
 
 __all__ = ["MAX_BENCH", "Relaying", "Strikes", "plan", "tree"]
 
@@ -28,11 +28,12 @@ def tree(names: Sequence[str], degree: int) -> dict[str, list[str]]:
             for k, n in enumerate(names)}
 
 
-def plan(names: Sequence[str], degree: int, leaves: Sequence[str] = ()) -> dict[str, list[str]]:
-    """The tree over `names` with every member of `leaves` (a subset) hung under a relay as a
-    leaf. Only when every member is benched do they form the tree themselves."""
-    relays = [n for n in names if n not in set(leaves)]
-    benched = [n for n in names if n in set(leaves)]
+def plan(names: Sequence[str], degree: int, leaves: Collection[str] = ()) -> dict[str, list[str]]:
+    """The tree over `names` with every one of them in `leaves` hung under a relay as a leaf.
+    Only when every member is benched do they form the tree themselves."""
+    out = set(leaves)
+    relays = [n for n in names if n not in out]
+    benched = [n for n in names if n in out]
     if not relays:
         return tree(benched, degree)
     kids = tree(relays, degree)
@@ -131,7 +132,7 @@ class Relaying:
 
     def plan(self, names: Sequence[str]) -> dict[str, list[str]]:
         """Who feeds whom among `names` this bucket: relays that misbehaved are leaves."""
-        return plan(names, self.degree, [n for n in names if n in self.strikes.leaves()])
+        return plan(names, self.degree, self.strikes.leaves())
 
     def _note(self, msg: str) -> None:
         self.log.info("%s", msg)
