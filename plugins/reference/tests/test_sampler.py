@@ -21,9 +21,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 
 
 def _sampler(model: torch.nn.Module, gate=lambda k: None) -> BatchingSampler:  # noqa: ANN001
-    def forward(**kw):  # noqa: ANN003, ANN202
-        return model(**kw), 7
-    return BatchingSampler(model, gate, forward)
+    def locked(fn):  # noqa: ANN001, ANN202
+        return fn(7), 7
+    return BatchingSampler(model, gate, locked)
 
 
 def _run(s: BatchingSampler, prompt: list[int], **p: object) -> list:

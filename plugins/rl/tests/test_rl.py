@@ -176,7 +176,66 @@ def test_the_router_holds_against_callers(pair: list[EngineProcess]) -> None:
         assert len(rc.sample([[4, 5]] * 2, {"max_new_tokens": 2}, wait=5)) == 2
 
 
-def test_a_sample_that_spans_a_swap_carries_both_versions_or_is_regenerated(
+def _tokens(url: str) -> int:
+    return int(requests.get(url + "/info", timeout=10).json()["generated_tokens"])
+
+
+def _hold_after_first_tokens(url: str, base: int) -> None:
+    """Hold the engine (a "keep" pause) once it generated 5 tokens past `base`: a push then lands
+    inside that generation whatever the machine's speed; the push's resume lets it go on."""
+    from weightsync.testing.waiting import wait_for
+    wait_for(lambda: _tokens(url) >= base + 5, 60, "the generation's first tokens")
+    requests.post(url + "/pause", json={"mode": "keep"}, timeout=10).raise_for_status()
+
+
+def _held_mid_generation(eng: EngineProcess, client: RolloutClient, params: SamplingParams,
+                         got: dict[str, Any], key: str, **kw: Any) -> threading.Thread:
+    """Start a generation and hold it once it has a few tokens."""
+    base = _tokens(eng.url)
+    th = threading.Thread(target=lambda: got.update({key: client.sample([[1, 2]], params, **kw)}))
+    th.start()
+    _hold_after_first_tokens(eng.url, base)
+    return th
+
+
+@pytest.mark.parametrize("pause_mode", ["keep", "keep_stale_kv"])
+def test_a_sample_that_spans_a_swap_is_prefilled_again_with_the_new_weights(
+        model_dir: Path, tmp_path: Path, pause_mode: str) -> None:
+    """By default the engine drops the old weights' KV at a swap and prefills the sequence again:
+    every token after the swap has the new version's logprob over the whole sequence (teacher
+    forced), and each token says its version. `keep_stale_kv` (asked for by name) goes on over
+    the old KV: those tokens match neither version, and the sample says so."""
+    eng = EngineProcess(model_dir, name="s", log=tmp_path / "s.log").start(timeout=120)
+    model = load_trainer_model(model_dir)
+    try:
+        cfg = {**SYNC, "engines": [eng.spec()], "sync": {"progress": "off", "pause_mode": pause_mode}}
+        with WeightSync.from_config(cfg) as sync, RolloutClient([eng.spec()]) as client:
+            long = SamplingParams(max_new_tokens=200, temperature=1.0, seed=2)
+            got: dict[str, Any] = {}
+            th = _held_mid_generation(eng, client, long, got, "s", mixed="keep")
+            v0 = {name: t.clone() for name, t in model.state_dict().items()}
+            _perturbed(model, 1)
+            assert sync.push(model, version=1).ok
+            th.join(300)
+            (s,) = got["s"]
+            assert (s.version, s.version_end) == (0, 1) and s.mixed and len(s.token_ids) == 200
+            k = s.token_versions.index(1)
+            assert k >= 5 and s.token_versions == [0] * k + [1] * (200 - k)
+            new = _logprobs(model, [1, 2] + s.token_ids, 1.0)[1:]
+            after = max(abs(a - b) for a, b in zip(s.logprobs[k:], new[k:]))
+            model.load_state_dict(v0)
+            old = _logprobs(model, [1, 2] + s.token_ids, 1.0)[1:]
+            assert max(abs(a - b) for a, b in zip(s.logprobs[:k], old[:k])) < 1e-4
+            info = requests.get(eng.url + "/info", timeout=10).json()
+            if pause_mode == "keep":
+                assert after < 1e-4 and not s.stale_kv and info["reprefills"] == 1
+            else:           # the control: over the old KV the tokens are of neither version
+                assert after > 1e-3 and s.stale_kv and info["reprefills"] == 0
+    finally:
+        eng.stop()
+
+
+def test_a_client_refuses_a_sample_that_spans_a_swap_and_generates_it_again(
         model_dir: Path, tmp_path: Path) -> None:
     eng = EngineProcess(model_dir, name="s", log=tmp_path / "s.log").start(timeout=120)
     model = load_trainer_model(model_dir)
@@ -184,52 +243,33 @@ def test_a_sample_that_spans_a_swap_carries_both_versions_or_is_regenerated(
         with WeightSync.from_config({**SYNC, "engines": [eng.spec()], "sync": {"progress": "off",
                                                                                  "pause_mode": "keep"}}) as sync, \
                 RolloutClient([eng.spec()]) as client:
-            long = SamplingParams(max_new_tokens=400, temperature=1.0, seed=2)
             got: dict[str, Any] = {}
-            th = threading.Thread(target=lambda: got.update(s=client.sample([[1, 2]], long, mixed="keep")))
-            th.start()
-            info = lambda: requests.get(eng.url + "/info", timeout=10).json()  # noqa: E731
-            deadline = __import__("time").monotonic() + 60
-            while info()["generated_tokens"] < 5 and __import__("time").monotonic() < deadline:
-                pass
-            _perturbed(model, 1)
+            th = _held_mid_generation(eng, client, SamplingParams(max_new_tokens=200, seed=2), got, "r")
+            _perturbed(model, 2)
             assert sync.push(model, version=1).ok
             th.join(300)
-            (s,) = got["s"]
-            assert (s.version, s.version_end) == (0, 1) and s.mixed
-            # by default such a sample is refused and generated again, all at one version
-            th = threading.Thread(target=lambda: got.update(r=client.sample([[1, 2]], long)))
-            th.start()
-            base = info()["generated_tokens"]
-            while info()["generated_tokens"] < base + 5 and __import__("time").monotonic() < deadline + 60:
-                pass
-            _perturbed(model, 2)
-            assert sync.push(model, version=2).ok
-            th.join(300)
             (r,) = got["r"]
-            assert r.version == r.version_end == 2 and client.refused_mixed >= 1
+            assert r.version == r.version_end == 1 and client.refused_mixed == 1
+            assert r.token_versions == [1] * 200
     finally:
         eng.stop()
 
 
-class _PushWhenGenerating:
-    """The loop's sync, whose push of version 1 waits (bounded) until the engine is generating
-    the next step's rollouts, so the swap lands inside that generation (the last step's push has
-    no generation after it)."""
+class _HoldSecondRollouts:
+    """The loop's sampler, which holds the engine (a "keep" pause) once the second call's
+    generation has its first tokens: the next step's rollouts are then surely in flight when the
+    push of version 1 swaps the weights, whatever the machine's speed (the push's resume lets
+    them go on)."""
 
-    def __init__(self, sync: WeightSync, url: str) -> None:
-        self.sync, self.url = sync, url
+    def __init__(self, sample: Any, url: str) -> None:
+        self.sample, self.url, self.calls = sample, url, 0
 
-    def _tokens(self) -> int:
-        return int(requests.get(self.url + "/info", timeout=10).json()["generated_tokens"])
-
-    def push(self, model: torch.nn.Module, version: int) -> Any:
-        from weightsync.testing.waiting import wait_for
-        base = self._tokens()
-        if version == 1:
-            wait_for(lambda: self._tokens() >= base + 5, 60,
-                     "the engine generating the next rollouts")
-        return self.sync.push(model, version=version)
+    def __call__(self, *a: Any, **kw: Any) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            threading.Thread(target=_hold_after_first_tokens, args=(self.url, _tokens(self.url)),
+                             daemon=True).start()
+        return self.sample(*a, **kw)
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -242,7 +282,7 @@ def test_the_async_loop_trains_on_samples_that_span_the_swap_or_regenerates_them
     try:
         cfg = {**SYNC, "engines": [eng.spec()], "sync": {"progress": "off", "pause_mode": "keep"}}
         with WeightSync.from_config(cfg) as sync, RolloutClient([eng.spec()]) as client:
-            loop = RLLoop(model, opt, _PushWhenGenerating(sync, eng.url), client.sample,
+            loop = RLLoop(model, opt, sync, _HoldSecondRollouts(client.sample, eng.url),
                           CountingTask(seed=3), SamplingParams(n=2, max_new_tokens=1000, seed=3),
                           prompts_per_step=1, mode="async", epochs=1, keep_mixed=keep)
             first, second = list(loop.run(steps=2))
@@ -250,7 +290,8 @@ def test_the_async_loop_trains_on_samples_that_span_the_swap_or_regenerates_them
         if keep:        # generated across the swap of version 1: kept, as old as version 0
             assert second.samples == 2 and second.mixed == 2 and second.dropped == 0
             assert second.staleness == 1.0 and client.refused_mixed == 0
-            assert second.gaps == {}          # no one version generated them: no gap to measure
+            # prefilled again at the swap: each token measured under the version that sampled it
+            assert set(second.gaps) == {"s@0", "s@1"} and second.gap_max < 1e-4
         else:           # refused and generated again, all at version 1
             assert second.samples == 2 and second.mixed == 0 and client.refused_mixed >= 1
             assert second.staleness == 0.0 and list(second.gaps) == ["s@1"]

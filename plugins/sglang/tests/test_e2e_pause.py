@@ -37,7 +37,7 @@ def _wait_running(engine) -> None:
     time.sleep(0.2)    # a few tokens with the old weights
 
 
-@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+@pytest.mark.parametrize("mode", ["abort", "retract", "keep", "in_place_stale_kv"])
 def test_pause_mode_with_request_in_flight(start_standin, model_sd, mode: str) -> None:
     engine = start_standin(step_seconds=0.05)
     cfg = {"adapter": "sglang", "transport": "sglang_tensor", "engines": [engine.spec()],
@@ -59,9 +59,10 @@ def test_pause_mode_with_request_in_flight(start_standin, model_sd, mode: str) -
         # the request survived the update and finished on the new weights
         assert meta["finish_reason"]["type"] == "length" and len(out["output_ids"]) == N
         assert versions[0] == "default" and versions[-1] == "1"
-        assert meta["standin_retractions"] == (1 if mode == "retract" else 0)
-    # in_place keeps the KV cache of running requests: no flush (SGLang would refuse it anyway)
-    assert engine.state()["flushes"] == (0 if mode == "in_place" else 1)
+        # keep is SGLang's retract: the request's KV is recomputed with the new weights
+        assert meta["standin_retractions"] == (0 if mode == "in_place_stale_kv" else 1)
+    # every mode flushes at commit; SGLang refuses while a request runs in place (only asked for)
+    assert engine.state()["flushes"] == (0 if mode == "in_place_stale_kv" else 1)
     assert engine.weight_version() == "1"
 
 

@@ -113,9 +113,9 @@ def test_version_gate_and_tags_after_a_reload(start_standin, model_dir) -> None:
     assert e.value.held == 3
 
 
-@pytest.mark.parametrize("mode", ["in_place", "abort"])
+@pytest.mark.parametrize("mode", ["in_place_stale_kv", "abort"])
 def test_a_swap_during_the_request_is_never_one_version(start_standin, model_sd, mode: str) -> None:
-    """in_place: the request goes on with the new weights and comes back mixed (0 -> 1); abort:
+    """in_place_stale_kv: the request goes on with the new weights and comes back mixed (0 -> 1); abort:
     SGLang ends it, and the adapter refuses the partial samples (NotFitting)."""
     engine = start_standin(step_seconds=0.05)
     a = _sampler(engine)
@@ -138,7 +138,7 @@ def test_a_swap_during_the_request_is_never_one_version(start_standin, model_sd,
         assert sync.push(perturb(model_sd, 1), version=1).ok
     t.join(60)
     assert not t.is_alive()
-    if mode == "in_place":
+    if mode == "in_place_stale_kv":
         (s,) = out["samples"]
         assert (s.version, s.version_end) == (0, 1) and s.mixed and len(s.token_ids) == 60
     else:

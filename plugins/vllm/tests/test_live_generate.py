@@ -6,6 +6,7 @@ weights."""
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from weightsync.config import EngineSpec
 from weightsync.errors import EngineError
 from weightsync.interfaces.sampling import Gate, NotFitting, SamplingParams
 from weightsync_vllm.adapter import VllmAdapter, VllmOptions
-from weightsync_vllm.generation import VllmSampler
+from weightsync_vllm.generation import VllmSampler, completion_body
 from weightsync_vllm.launch import VllmLauncher
 from weightsync_vllm.testing import PROMPT, TINY, build_model_dir, vllm_available
 
@@ -178,3 +179,70 @@ def test_a_distrusted_version_serves_no_rollouts_until_the_next_commit(served: S
         assert sync.push(served.model, version=v + 1).verified
     assert served.sampler.weight_version() == v + 1
 
+
+
+def _held_stream(served: Served, n: int, mode: str) -> tuple[Any, Iterator[dict[str, Any]]]:
+    """A streamed greedy completion with the sampled tokens' logprobs, held by a pause (`mode`)
+    once its first tokens reached the client: it is surely in flight when the push comes."""
+    import json as _json
+
+    import requests
+    body = {**completion_body(PROMPT, SamplingParams(temperature=0, max_new_tokens=n)),
+            "model": "model", "stream": True}
+    url, headers = served.spec["url"], served.adapter.headers
+    resp = requests.post(url + "/v1/completions", json=body, stream=True, timeout=120,
+                         headers=headers)
+    resp.raise_for_status()
+
+    def chunks() -> Iterator[dict[str, Any]]:
+        for line in resp.iter_lines(chunk_size=1):
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield _json.loads(line[len(b"data: "):])
+    it = chunks()
+    first = next(it)
+    served.adapter.pause(mode)
+    return resp, itertools.chain([first], it)
+
+
+@pytest.mark.parametrize("mode", ["keep", "keep_stale_kv"])
+def test_a_generation_held_over_a_swap_goes_on_with_the_new_weights_kv(served: Served, mode: str) -> None:
+    """pause "keep": at commit vLLM preempts the held request (its own reset of running
+    requests), so its KV is computed again with the new weights: every token after the swap
+    has the new weights' logprob over the whole sequence (teacher forced), every token before
+    it the old ones'. "keep_stale_kv" (vLLM's keep alone, asked for by name) goes on over the
+    old KV: the tokens after the swap match neither."""
+    n = 480                                     # max_model_len 512
+    v = served.adapter.health().version + 1
+    new = copy.deepcopy(served.model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(v)) * 0.05)
+    cfg = {"adapter": "vllm", "engines": [served.spec], "transport": "http",
+           "sync": {"progress": "off", "pause_mode": mode}}
+    resp, chunks = _held_stream(served, n, mode)
+    try:
+        with WeightSync.from_config(cfg) as sync:
+            assert sync.push(new, version=v).verified      # pauses again, commits, resumes
+        ids: list[int] = []
+        lps: list[float] = []
+        for c in chunks:
+            ch = c["choices"][0]
+            ids += ch.get("token_ids") or []
+            lps += (ch.get("logprobs") or {}).get("token_logprobs") or []
+    finally:
+        resp.close()
+        served.adapter.resume()
+    assert len(ids) == len(lps) == n
+    old_lp, new_lp = served.logprobs(PROMPT + ids), Served(new, served.spec).logprobs(PROMPT + ids)
+    at = len(PROMPT) - 1
+    old = [abs(lps[i] - float(old_lp[at + i, t])) for i, t in enumerate(ids)]
+    k = next(i for i, d in enumerate(old) if d > TOL)     # the first token of the new weights
+    assert 0 < k < n - 20, f"the swap did not land inside the generation (k={k})"
+    after = [abs(lps[i] - float(new_lp[at + i, t])) for i, t in enumerate(ids) if i >= k]
+    if mode == "keep":
+        assert max(after) < TOL, after[:10]
+    else:
+        assert max(after) > 1e-3
+    cfg["sync"]["pause_mode"] = "abort"
+    with WeightSync.from_config(cfg) as sync:
+        assert sync.push(served.model, version=v + 1).verified

@@ -158,7 +158,7 @@ def test_adapter_capabilities_and_version_parsing() -> None:
     transports = load_components().transports
     for name in ("http", "shm", "collective"):
         assert missing(VllmAdapter, transports.get(name)) == [], name
-    assert VllmAdapter.pause_modes == ("abort", "wait", "keep")
+    assert VllmAdapter.pause_modes == ("abort", "wait", "keep", "keep_stale_kv")
     assert _parse_version(None) == 0 and _parse_version("7") == 7 and _parse_version("step-12") == 12
 
 

@@ -60,7 +60,12 @@ class Gate(BaseModel):
 class Sample:
     """One generated sequence. `version` is the weight version its first token was computed
     with and `version_end` the one of its last: they differ only when a swap happened during the
-    generation (`mixed`), and such a sample is never reported as one version. `temperature`,
+    generation (`mixed`), and such a sample is never reported as one version. `token_versions`
+    holds the version of every token where the engine knows it (empty: not reported).
+    By default an engine prefills a generation again with the new weights at a swap, so each
+    token's logprob is its own version's forward pass over the whole sequence; `stale_kv` says
+    it did not (asked for by a pause mode): tokens after the swap were computed over the old
+    weights' KV cache and belong to neither version's policy. `temperature`,
     `top_k` and `top_p` say which distribution `logprobs` are of (engines differ: the log of
     the temperature-scaled probabilities before any filter, or renormalised over the top-k /
     top-p tokens, or raw), so a trainer computes its side the same way."""
@@ -76,10 +81,19 @@ class Sample:
     temperature: float = 1.0        # the logprobs' temperature (1: raw logits; greedy reports 1)
     top_k: int = 0                  # > 0: renormalised over the top-k tokens
     top_p: float = 1.0              # < 1: renormalised over the top-p nucleus
+    token_versions: list[int] = field(default_factory=list)
+    stale_kv: bool = False
 
     @property
     def mixed(self) -> bool:
         return self.version != self.version_end
+
+    def versions(self) -> list[int] | None:
+        """The weight version of each token: None where unknown (a mixed sample whose engine
+        did not say which token came from which version)."""
+        if self.token_versions:
+            return list(self.token_versions)
+        return None if self.mixed else [self.version] * len(self.token_ids)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,11 +108,18 @@ class Sample:
                     prompt_ids=[int(x) for x in d.get("prompt_ids", [])],
                     prompt_index=int(d.get("prompt_index", 0)),
                     temperature=float(d.get("temperature", 1.0)), top_k=int(d.get("top_k", 0)),
-                    top_p=float(d.get("top_p", 1.0)))
+                    top_p=float(d.get("top_p", 1.0)),
+                    token_versions=[int(x) for x in d.get("token_versions", [])],
+                    stale_kv=bool(d.get("stale_kv", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a sample: {e!r} in {str(d)[:200]}") from None
         if len(s.logprobs) != len(s.token_ids):
             raise ValueError(f"a sample has {len(s.token_ids)} tokens but {len(s.logprobs)} logprobs")
+        if s.token_versions and (len(s.token_versions) != len(s.token_ids)
+                                 or s.token_versions[0] != s.version
+                                 or s.token_versions[-1] != s.version_end):
+            raise ValueError(f"a sample's token_versions do not fit its {len(s.token_ids)} tokens "
+                             f"of versions {s.version}..{s.version_end}")
         return s
 
 

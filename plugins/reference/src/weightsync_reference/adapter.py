@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from weightsync.errors import EngineError
 from weightsync.interfaces import Endpoint, EngineStatus, HttpAdapter, Message
 from weightsync.interfaces.sampling import Unsupported
+from weightsync_reference.server.sampler import PAUSE_MODES
 from weightsync.net.client import json_of
 
 ROUND_HEADER = "X-Weightsync-Round"
@@ -36,7 +37,7 @@ class ReferenceAdapter(HttpAdapter):
     Options = ReferenceOptions
     accepts = None                       # the engine's receiver parses every transport's messages
     encodings = None
-    pause_modes = ("abort", "keep")
+    pause_modes = PAUSE_MODES           # "keep" prefills again after a swap; "keep_stale_kv" not
     ordered_announces = True
     staging = True
     verification = "digest"

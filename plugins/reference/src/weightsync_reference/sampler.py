@@ -34,7 +34,9 @@ class ReferenceSampler:
             return [Sample(token_ids=s["output_ids"], logprobs=s["logprobs"],
                            finish_reason=s["finish_reason"], engine=a.engine_name,
                            version=int(s["weight_version"]), version_end=int(s["weight_version_end"]),
-                           prompt_ids=list(prompt), temperature=params.temperature or 1.0)
+                           prompt_ids=list(prompt), temperature=params.temperature or 1.0,
+                           token_versions=[int(v) for v in s.get("weight_versions", [])],
+                           stale_kv=bool(s.get("stale_kv", False)))
                     for s in out["samples"]]     # temperature-scaled, before top-k / top-p
         except (KeyError, TypeError, ValueError):
             raise EngineError(a.engine_name, f"/generate answered without samples: "

@@ -160,8 +160,11 @@ def loss(model: torch.nn.Module, batch: Batch, clip: float = 0.2,
     return (per_token * batch.mask).sum() / batch.mask.sum().clamp(min=1), lp.detach()
 
 
-def gap(trainer_lp: torch.Tensor, batch: Batch) -> dict[str, float]:
-    """|Δ logprob| between the trainer and the engines over the sampled tokens: mean and max."""
-    d = (trainer_lp - batch.engine_lp).abs() * batch.mask
-    n = batch.mask.sum().clamp(min=1)
-    return {"mean": float(d.sum() / n), "max": float(d.max()) if batch.mask.any() else 0.0}
+def gap(trainer_lp: torch.Tensor, batch: Batch, only: torch.Tensor | None = None
+        ) -> dict[str, float]:
+    """|Δ logprob| between the trainer and the engines over the sampled tokens (those of them
+    where `only` is 1, when given): mean and max."""
+    m = batch.mask if only is None else batch.mask * only
+    d = (trainer_lp - batch.engine_lp).abs() * m
+    n = m.sum().clamp(min=1)
+    return {"mean": float(d.sum() / n), "max": float(d.max()) if m.any() else 0.0}

@@ -7,9 +7,11 @@ async loops: the engines keep generating through the push, and pause only for th
 samples older than `max_staleness` versions are dropped and counted. A sample whose generation
 spans the swap is kept, as AReaL's interruptible generation keeps it: its tokens carry the
 logprobs of the version that sampled each of them, which is all the clipped importance ratio
-needs, and it counts as old as its first version (`mixed` in the step's stats; the gap, which
-needs one version per sample, skips it). Refusing it instead (`keep_mixed=False`) costs a second
-generation of it after every swap. Every step measures the train–inference gap (the trainer's
+needs, and it counts as old as its first version (`mixed` in the step's stats). Engines prefill such a
+generation again with the new weights at the swap (unless paused with a mode that keeps the stale
+KV cache), so the gap measures each of its tokens under the version that sampled it; samples
+over a stale cache are left out of the gap. Refusing mixed samples instead (`keep_mixed=False`)
+costs a second generation of each after every swap. Every step measures the train–inference gap (the trainer's
 logprobs of the sampled tokens under the version that generated them, against the engines') per
 engine and version, and, when `busy` is given, how much of the push the engines spent generating.
 
@@ -274,28 +276,38 @@ class RLLoop:
 
     @torch.no_grad()
     def _gaps(self, keep: list[Sample], batch: grpo.Batch, lp_now: torch.Tensor, st: StepStats) -> None:
-        """The gap under the version that generated each sample: the weights being trained (the
-        loss's own forward pass) for their label, a kept snapshot for older ones. Samples that
-        span a swap are left out: no one version generated them."""
-        one = [i for i, s in enumerate(keep) if not s.mixed]
-        if not one:
+        """The gap under the version that generated each token: the weights being trained (the
+        loss's own forward pass) for their label, a kept snapshot for older ones. A sample that
+        spans a swap counts under each token's version when its engine prefilled it again with
+        the new weights; one generated over a stale KV cache (`Sample.stale_kv`), or whose
+        tokens' versions are unknown, is left out: no one version generated those tokens."""
+        tv = torch.full_like(batch.mask, -1, dtype=torch.long)   # each sampled token's version
+        for i, s in enumerate(keep):
+            vs = None if s.stale_kv else s.versions()
+            if vs is not None and vs:
+                p = len(s.prompt_ids)
+                tv[i, p - 1:p - 1 + len(vs)] = torch.tensor(vs)
+        if not bool((tv >= 0).any()):
             return
         lp = lp_now.clone()
-        for v in sorted({keep[i].version for i in one}):
+        for v in sorted(set(tv[tv >= 0].tolist())):
             if v == self.label:
                 continue                         # the loss's forward pass ran these weights
-            rows = [i for i in one if keep[i].version == v]
-            lp[rows] = grpo.token_logprobs(self.model, batch.rows(rows), self.snapshots[v])
-        whole = grpo.gap(lp[one], batch.rows(one))
+            rows = sorted(set((tv == v).nonzero()[:, 0].tolist()))
+            lp_v = grpo.token_logprobs(self.model, batch.rows(rows), self.snapshots[v])
+            lp[rows] = torch.where(tv[rows] == v, lp_v, lp[rows])
+        known = (tv >= 0).float()
+        whole = grpo.gap(lp, batch, known)
         st.gap_mean, st.gap_max = whole["mean"], whole["max"]
-        for key in sorted({(keep[i].engine, keep[i].version) for i in one}):
-            rows = [i for i in one if (keep[i].engine, keep[i].version) == key]
-            g = grpo.gap(lp[rows], batch.rows(rows))
-            st.gaps[f"{key[0]}@{key[1]}"] = g
-            try:
-                self.sync.record_gap(key[0], key[1], g["mean"], g["max"])
-            except AttributeError:
-                pass
+        for engine in sorted({s.engine for s in keep}):
+            mine = torch.tensor([s.engine == engine for s in keep])[:, None]
+            for v in sorted(set(tv[(tv >= 0) & mine].tolist())):
+                g = grpo.gap(lp, batch, ((tv == v) & mine).float())
+                st.gaps[f"{engine}@{v}"] = g
+                try:
+                    self.sync.record_gap(engine, v, g["mean"], g["max"])
+                except AttributeError:
+                    pass
 
     def _push(self, st: StepStats | None) -> None:
         """Push the model as the next label. It lands when an engine took it: committed, or its

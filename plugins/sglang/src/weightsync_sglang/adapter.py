@@ -37,7 +37,11 @@ from .readback import ReadbackPicks, depth, same
 from .versions import from_sglang, to_sglang
 
 log = logging.getLogger(__name__)
-PauseMode = Literal["abort", "retract", "in_place"]
+# SGLang's own modes under names that say what they do with a running request's KV: "keep" and
+# "retract" send it back to the queue (its KV recomputed with the new weights), "abort" ends it,
+# "in_place_stale_kv" (SGLang's in_place) goes on over the old weights' KV: only when asked for
+PauseMode = Literal["abort", "retract", "keep", "in_place_stale_kv"]
+SGLANG_MODE = {"keep": "retract", "in_place_stale_kv": "in_place"}
 
 
 class SGLangOptions(BaseModel):
@@ -67,7 +71,7 @@ class SGLangAdapter(HttpAdapter):
     Options = SGLangOptions
     accepts = (Broadcast, JoinGroup, LeaveGroup)  # collective's messages, on SGLang's own routes
     encodings = frozenset({"raw", "cast"})   # SGLang loads the tensors it is given, as they are
-    pause_modes = ("abort", "retract", "in_place")
+    pause_modes = ("abort", "retract", "keep", "in_place_stale_kv")
     layout = "flat"                          # flattened_bucket: the payload's data section
     staging = False                          # SGLang loads each bucket as it arrives: pause first
     verification = "ack"                     # it cannot hash what it loaded; confirm() reads back
@@ -130,7 +134,10 @@ class SGLangAdapter(HttpAdapter):
     def pause(self, mode: str) -> None:
         mode = self.options.pause_mode or mode
         if mode not in self.pause_modes:
-            raise ConfigError(f"adapter 'sglang' pauses with {list(self.pause_modes)}, not {mode!r}")
+            hint = ("; SGLang's in_place keeps the old weights' KV: ask for it as "
+                    "'in_place_stale_kv'" if mode == "in_place" else "")
+            raise ConfigError(f"adapter 'sglang' pauses with {list(self.pause_modes)}, not "
+                              f"{mode!r}{hint}")
         resp = self._request("POST", "/pause_generation", self.pause_body(mode))
         if resp.status_code != 200:
             raise EngineError(self.engine_name, f"POST /pause_generation -> HTTP "
@@ -139,7 +146,7 @@ class SGLangAdapter(HttpAdapter):
 
     def pause_body(self, mode: str) -> dict[str, Any]:
         """PauseGenerationReqInput."""
-        return {"mode": mode}
+        return {"mode": SGLANG_MODE.get(mode, mode)}
 
     def resume(self) -> None:
         resp = self._request("POST", "/continue_generation", {})
@@ -187,13 +194,17 @@ class SGLangAdapter(HttpAdapter):
         """The sender's digests of the buckets SGLang acknowledged (it cannot re-hash them)."""
         return self._acked.digests()
 
-    def _flush_on_commit(self) -> bool:
-        # in_place keeps running requests and their KV; SGLang's flush fails while a batch runs
-        return self.options.flush_cache and self._mode != "in_place"
-
     def commit(self, version: int) -> None:
-        if self._flush_on_commit():
-            self.flush_cache()
+        """Flush the radix cache (cached prefixes hold the old weights' KV) in every pause mode;
+        SGLang refuses while requests run in place, which only `in_place_stale_kv` asks for."""
+        if self.options.flush_cache:
+            try:
+                self.flush_cache()
+            except EngineError as e:
+                if self._mode != "in_place_stale_kv":
+                    raise
+                log.warning("engine %s: %s; requests held in place go on over the old weights' "
+                            "KV, as in_place_stale_kv asks", self.engine_name, e.detail)
         self.set_weight_version(version)
 
     def abort(self) -> None:

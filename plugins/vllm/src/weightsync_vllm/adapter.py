@@ -82,7 +82,9 @@ class VllmAdapter(HttpAdapter):
     Options = VllmOptions
     accepts = None                      # the backend runs weightsync's receiver: any message
     encodings = None                    # the weightsync backend decodes any encoding
-    pause_modes = ("abort", "wait", "keep")
+    # vLLM's three; "keep" has vLLM preempt the held requests (at the pause in 0.32, else at
+    # commit: their KV recomputed with the new weights), "keep_stale_kv" holds their old KV
+    pause_modes = ("abort", "wait", "keep", "keep_stale_kv")
     layout = "safetensors"
     staging = True                       # the backend stages a whole round; finish swaps it in
     verification = "digest"              # the workers hash what they staged
@@ -99,6 +101,7 @@ class VllmAdapter(HttpAdapter):
         self._published: list[dict[str, Any]] = []
         self.token = self.options.token or os.environ.get(TOKEN_ENV) or None
         self._source: tuple[str | None, str | None] | None = None   # (round, relay url)
+        self._mode: str | None = None   # the pause mode of the open pause
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _call(self, method: str, path: str, *, body: Any = None, params: Any = None,
@@ -145,8 +148,7 @@ class VllmAdapter(HttpAdapter):
     def health(self) -> EngineStatus:
         self._call("GET", "/health")
         raw = (self._call("GET", "/weight_info") or {}).get("weight_version")
-        version = _parse_version(raw)
-        self._engine_version = version
+        self._engine_version = version = _parse_version(raw)
         return EngineStatus(version, False, {"weight_version": raw})
 
     def is_paused(self) -> bool:
@@ -155,10 +157,14 @@ class VllmAdapter(HttpAdapter):
     def pause(self, mode: str) -> None:
         if mode not in self.pause_modes:
             raise ValueError(f"pause mode {mode!r}: vLLM takes one of {list(self.pause_modes)}")
-        self._post("/pause", params={"mode": mode}, timeout=self.options.payload_timeout)
+        stale = {"mode": "keep", "clear_cache": "false"}   # vLLM 0.32's keep preempts otherwise
+        self._post("/pause", params=stale if mode == "keep_stale_kv" else {"mode": mode},
+                   timeout=self.options.payload_timeout)
+        self._mode = mode
 
     def resume(self) -> None:
         self._post("/resume")
+        self._mode = None
 
     def begin(self, version: int, plan: Mapping[str, Any]) -> None:
         """Open a round: the backend takes its id and lease (and refuses while another trainer's
@@ -207,10 +213,15 @@ class VllmAdapter(HttpAdapter):
                    timeout=self.options.payload_timeout)
         self.round_id = None
         self._engine_version = int(version)
-        if self.options.reset_prefix_cache:
-            try:     # cached prefixes hold KV computed with the old weights
-                self._post("/reset_prefix_cache")
+        running = self._mode == "keep"   # requests held over the swap: recompute their KV
+        if self.options.reset_prefix_cache or running:
+            try:     # cached prefixes (and held requests) hold KV computed with the old weights
+                self._post("/reset_prefix_cache",
+                           params={"reset_running_requests": "true"} if running else None)
             except EngineError as e:
+                if running:     # held requests would go on over the old weights' KV
+                    raise EngineError(self.engine_name, f"vLLM did not preempt the held requests: "
+                                      f"{e.detail}; pause with 'abort' (or 'keep_stale_kv')") from None
                 log.warning("engine %s: reset_prefix_cache failed: %s", self.engine_name, e)
 
     def abort(self) -> None:

@@ -8,7 +8,8 @@ checked before bodies, bodies capped per route, connections capped and timed out
   POST /generate                    {"input_ids": [...], "sampling": {n, temperature, top_p, top_k,
                                     seed, max_new_tokens, stop_token_ids}, "min_version"?: v,
                                     "exact_version"?: v, "wait"?: s} -> {"samples": [{output_ids,
-                                    logprobs, finish_reason, weight_version, weight_version_end}]}
+                                    logprobs, finish_reason, weight_version, weight_version_end,
+                                    weight_versions (each token's), stale_kv}]}
                                     and the first sample's fields at the top; without "sampling":
                                     greedy, {"max_new_tokens": n}; 409 with "weight_version" when
                                     no fitting version arrived within `wait` seconds. Concurrent

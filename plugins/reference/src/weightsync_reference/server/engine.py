@@ -29,7 +29,7 @@ from weightsync.transports.http import ExpectRelay, RelayOutcome
 from weightsync.wire.signing import check_checkpoint
 from weightsync_reference.server.generation import Conflict, Generation
 from weightsync_reference.server.model import LoadedModel
-from weightsync_reference.server.sampler import BatchingSampler
+from weightsync_reference.server.sampler import PAUSE_MODES, BatchingSampler
 
 log = logging.getLogger("weightsync_reference.server")
 DEFAULT_LEASE = 10.0
@@ -69,7 +69,8 @@ class ReferenceEngine(Generation):
         self.version = 0
         self.model_lock = threading.Lock()       # held per decoding step and by commit
         self.state = threading.Condition()
-        self.paused: str | None = None           # None, "abort" or "keep"
+        self.paused: str | None = None           # None, "abort", "keep" or "keep_stale_kv"
+        self.last_pause: str | None = None       # the mode of the latest pause (the swap's)
         self.pause_epoch = 0
         self.pause_expires: float | None = None  # a pause taken under a lease ends by itself
         self.round: OpenRound | None = None
@@ -84,17 +85,22 @@ class ReferenceEngine(Generation):
         self.distrusted: dict[str, Any] | None = None   # set when the trainer's probe failed
         self.sampler: BatchingSampler | None = None
         if model.module is not None:
-            self.sampler = BatchingSampler(model.module, self._step_gate([0]), self._forward)
+            self.sampler = BatchingSampler(model.module, self._step_gate([0]), self._locked,
+                                           lambda: self.last_pause == "keep_stale_kv")
         self._stop = threading.Event()
         if watchdog:
             threading.Thread(target=self._watch, name="ws-lease-watchdog", daemon=True).start()
 
     def pause(self, mode: str, lease: float | None = None) -> None:
-        """Pause generation; with `lease` the pause ends by itself unless renewed."""
-        if mode not in ("abort", "keep"):
-            raise PayloadError(f"pause mode {mode!r} is not supported; use 'abort' or 'keep'")
+        """Pause generation; with `lease` the pause ends by itself unless renewed. "keep" holds
+        running generations and, when the weights change before they go on, prefills them again
+        with the new weights; "keep_stale_kv" goes on over the old weights' KV cache instead
+        (tokens of neither version: only when asked for); "abort" ends them."""
+        if mode not in PAUSE_MODES:
+            raise PayloadError(f"pause mode {mode!r} is not supported; use one of "
+                               f"{', '.join(PAUSE_MODES)}")
         with self.state:
-            self.paused = mode
+            self.paused = self.last_pause = mode
             self.pause_epoch += 1
             self.pause_expires = None if lease is None else time.monotonic() + _lease(lease)
             self.state.notify_all()
@@ -361,6 +367,7 @@ class ReferenceEngine(Generation):
         return {"name": self.name, "version": self.version, "model": self.model.kind,
                 "paused": self.paused, "can_generate": self.model.module is not None,
                 "generated_tokens": self.sampler.tokens if self.sampler else 0,
+                "reprefills": self.sampler.reprefills if self.sampler else 0,
                 "batches": self.sampler.batches if self.sampler else 0,
                 "busy_seconds": round(self.sampler.busy_seconds(), 6) if self.sampler else 0.0,
                 "tensors": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}

@@ -104,16 +104,16 @@ class Generation:
             with self.state:
                 if k == 0:
                     epoch[0] = self.pause_epoch
-                while self.paused == "keep":
+                while self.paused in ("keep", "keep_stale_kv"):
                     self.state.wait()
                 if self.paused == "abort" or (self.pause_epoch != epoch[0] and self.paused is not None):
                     raise Aborted()
         return gate
 
-    def _forward(self, **kw: Any) -> tuple[Any, int]:
-        assert self.model.module is not None
+    def _locked(self, fn: Callable[[int], Any]) -> tuple[Any, int]:
+        """`fn(version)` under the model lock: the weights cannot change while it runs."""
         with self.model_lock:
-            return self.model.module(**kw), self.version
+            return fn(self.version), self.version
 
     def _gate(self, min_version: int | None, exact_version: int | None, wait: float) -> None:
         """Wait for resume, and for a version that fits the request, up to `wait` seconds."""

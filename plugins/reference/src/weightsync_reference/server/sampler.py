@@ -4,8 +4,13 @@ with a KV cache, one forward pass per token for the whole batch. Each sequence s
 own generator (seed + i), so a seed reproduces its tokens.
 
 Weights change only between two decoding steps (the engine's model lock is taken per step), so
-every step records the version it ran with: a sequence that spans a commit carries both versions
-(`weight_version` of its first token, `weight_version_end` of its last)."""
+every token records the version it was sampled with (`weight_versions`; `weight_version` of the
+first, `weight_version_end` of the last). When the version moves between two steps, the batch's
+KV cache holds keys and values of the old weights: by default it is dropped and every sequence
+(its prompt and the tokens so far) is prefilled again with the new weights before the next token,
+so each token's logprob is the forward pass of its own version over the whole sequence. Only an
+engine paused with "keep_stale_kv" goes on over the old cache; such samples say so
+(`stale_kv`): their tokens after the swap belong to neither version's policy."""
 
 from __future__ import annotations
 
@@ -21,6 +26,10 @@ import torch
 from weightsync.interfaces.sampling import SamplingParams
 
 
+# "keep" prefills running generations again after a swap; "keep_stale_kv" does not (asked for)
+PAUSE_MODES = ("abort", "keep", "keep_stale_kv")
+
+
 class Aborted(Exception):
     """The engine was paused with mode "abort" while the batch ran."""
 
@@ -33,13 +42,22 @@ class Row:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
-    first: int | None = None
-    last: int | None = None
+    versions: list[int] = field(default_factory=list)   # the weight version of each token
+    stale_kv: bool = False                  # a token was computed over another version's KV
+
+    @property
+    def first(self) -> int | None:
+        return self.versions[0] if self.versions else None
+
+    @property
+    def last(self) -> int | None:
+        return self.versions[-1] if self.versions else None
 
     def as_dict(self) -> dict[str, Any]:
         return {"output_ids": self.out, "logprobs": self.logprobs,
                 "finish_reason": self.finish or "length", "weight_version": self.first,
-                "weight_version_end": self.last}
+                "weight_version_end": self.last, "weight_versions": self.versions,
+                "stale_kv": self.stale_kv}
 
 
 @dataclass
@@ -78,16 +96,34 @@ def pick(logits: torch.Tensor, row: Row) -> tuple[int, float]:
     return tok, float(lp[tok])
 
 
+def _left_padded(seqs: list[list[int]], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, attention mask and positions of `seqs` as one left-padded batch."""
+    width = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, width - len(x):] = torch.tensor(x)
+        mask[i, width - len(x):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 class BatchingSampler:
     """The engine's generation worker. `step_gate` is called before every forward pass: it
-    blocks while the engine is paused ("keep") and raises Aborted for "abort"; `locked_forward`
-    runs one forward pass under the engine's model lock and returns (outputs, version)."""
+    blocks while the engine is paused ("keep") and raises Aborted for "abort"; `locked` runs a
+    function of the version held under the engine's model lock (so the weights cannot change
+    between reading the version and the forward pass) and returns (its result, version);
+    `stale_kv_ok()` says the last pause asked to go on over the old KV cache across a swap."""
 
     def __init__(self, module: torch.nn.Module, step_gate: Callable[[int], None],
-                 locked_forward: Callable[..., tuple[Any, int]], max_rows: int = 64) -> None:
+                 locked: Callable[[Callable[[int], Any]], tuple[Any, int]],
+                 stale_kv_ok: Callable[[], bool] = lambda: False, max_rows: int = 64) -> None:
         self.module = module
         self.step_gate = step_gate
-        self.locked_forward = locked_forward
+        self.locked = locked
+        self.stale_kv_ok = stale_kv_ok
+        self.reprefills = 0                  # batches prefilled again after a swap (in /info)
         self.max_rows = max_rows
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.tokens = 0                      # generated so far (reported in /info)
@@ -152,19 +188,30 @@ class BatchingSampler:
             return
         self.batches += 1
         device = next(self.module.parameters()).device
-        width = max(len(r.prompt) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(rows):                      # left padding
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = _left_padded([r.prompt for r in rows], device)
         for r in rows:
             if r.params.max_new_tokens == 0:
                 r.finish = "length"
-        cache = None
-        step_ids, step_pos = ids, pos
+        state: dict[str, Any] = {"cache": None, "version": None, "ids": ids, "mask": mask,
+                                 "pos": pos}
+
+        def forward(version: int) -> Any:
+            if state["version"] is not None and version != state["version"]:
+                if self.stale_kv_ok():
+                    for r in rows:
+                        r.stale_kv = r.stale_kv or (r.finish is None and bool(r.out))
+                else:                        # the cache is the old weights': prefill again
+                    self.reprefills += 1
+                    state["ids"], state["mask"], state["pos"] = _left_padded(
+                        [r.prompt + r.out for r in rows], device)
+                    state["cache"] = None
+            state["version"] = version
+            out = self.module(input_ids=state["ids"], attention_mask=state["mask"],
+                              position_ids=state["pos"], past_key_values=state["cache"],
+                              use_cache=True)
+            state["cache"] = out.past_key_values
+            return out
+
         steps = max(r.params.max_new_tokens for r in rows)
         for k in range(steps):
             try:
@@ -175,10 +222,7 @@ class BatchingSampler:
                 for r in rows:
                     r.finish = r.finish or "abort"
                 return
-            out, version = self.locked_forward(input_ids=step_ids, attention_mask=mask,
-                                               position_ids=step_pos, past_key_values=cache,
-                                               use_cache=True)
-            cache = out.past_key_values
+            out, version = self.locked(forward)
             logits = out.logits[:, -1].float().cpu()
             nxt = torch.zeros(len(rows), 1, dtype=torch.long)
             for i, r in enumerate(rows):
@@ -192,8 +236,7 @@ class BatchingSampler:
                 tok, lp = pick(logits[i], r)
                 r.out.append(tok)
                 r.logprobs.append(lp)
-                r.first = version if r.first is None else r.first
-                r.last = version
+                r.versions.append(version)
                 nxt[i, 0] = tok
                 self.tokens += 1
                 if tok in r.params.stop_token_ids:
@@ -202,9 +245,10 @@ class BatchingSampler:
                     r.finish = "length"
             if all(r.finish is not None or o.error is not None for r, o in zip(rows, owner)):
                 return
-            step_ids = nxt.to(device)
-            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], 1)
-            step_pos = step_pos[:, -1:] + 1
+            state["ids"] = nxt.to(device)
+            state["mask"] = torch.cat([state["mask"], torch.ones(len(rows), 1, dtype=torch.long,
+                                                                 device=device)], 1)
+            state["pos"] = state["pos"][:, -1:] + 1
 
 
 @torch.no_grad()
