@@ -18,8 +18,8 @@ from weightsync.config import ComponentRef, SyncConfig
 from weightsync.errors import SyncError, WeightSyncError
 from weightsync.interfaces import Adapter, Encoding, Member, NameMap
 from weightsync.plugins import Components, load_components
-from weightsync.sync.probe import run_probe
-from weightsync.sync.ranks import world
+from weightsync.sync.probe import join_probe, run_probe
+from weightsync.sync.ranks import device_of, share_int, world
 from weightsync.sync.report import EngineOutcome, SyncReport
 from weightsync.sync.rounds import Calls, Clock, GroupRound, Renewer
 from weightsync.sync.stream import Stream
@@ -34,35 +34,21 @@ def _is_follower() -> bool:
     return dist is not None and dist.get_rank() != 0
 
 
-def _device(dist: Any) -> torch.device | str:
-    gpu = dist.get_backend() == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if gpu else "cpu"
-
-
 def _share_report(report: SyncReport | None) -> SyncReport:
     """Rank 0's report on every rank of the trainer's default group, as JSON bytes in a tensor
     broadcast (no pickle). Every rank calls this once per push, rank 0 with its report."""
     dist = world()
     assert dist is not None
     data = json.dumps(report.to_json()).encode() if report is not None else b""
-    n = _share_int(len(data) if report is not None else None)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_device(dist))
-           if report is not None else torch.empty(n, dtype=torch.uint8, device=_device(dist)))
+    n = share_int(len(data) if report is not None else None)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device_of(dist))
+           if report is not None else torch.empty(n, dtype=torch.uint8, device=device_of(dist)))
     dist.broadcast(buf, 0)
     if report is not None:
         return report
     out = SyncReport.from_json(json.loads(bytes(buf.cpu().numpy())))
     out.rank = dist.get_rank()
     return out
-
-
-def _share_int(value: int | None) -> int:
-    """Rank 0's `value` on every rank of the trainer's default group."""
-    dist = world()
-    assert dist is not None
-    t = torch.tensor([value if value is not None else 0], dtype=torch.int64, device=_device(dist))
-    dist.broadcast(t, 0)
-    return int(t.item())
 
 
 class WeightSync:
@@ -181,9 +167,11 @@ class WeightSync:
         if _is_follower():
             # rank 0 says how many times it runs the exporter this push (a catch-up round is a
             # second pass; a sync that failed before exporting, none): gathers are collectives
-            for _ in range(_share_int(None)):
+            for _ in range(share_int(None)):
                 for _ in self.exporter.buckets(model, name_map=name_map):
                     pass
+            if share_int(None):               # rank 0 probes: a sharded forward needs every rank
+                join_probe(model, self.settings.probe)
             report = _share_report(None)
             if any(o.ok for o in report.engines.values()) or report.published:
                 self.last_version = version
@@ -212,6 +200,7 @@ class WeightSync:
         report = SyncReport(version=version)
         clock = Clock(self.settings.deadline)
         self._announced, self._passes, self._passes_run = False, 0, 0
+        self._probing: bool | None = None      # told the followers whether they join the probe
         self._anchor: list[list[Any]] = []     # [[names], digest] per bucket of this push
         try:
             if self.transport.publish_only:
@@ -222,24 +211,38 @@ class WeightSync:
         finally:
             report.seconds = {**clock.stages, "total": clock.since()}
             if world() is not None:
-                self._announce(0)
-                # a failure between the announcement and an exporter pass: the followers are
-                # gathering already, so rank 0 still runs the passes it announced
-                for _ in range(self._passes - self._passes_run):
-                    for _ in self.exporter.buckets(model, name_map=name_map):
-                        pass
+                self._drain(model, name_map)
+                if self._probing is None:
+                    share_int(0)
                 _share_report(report)
         return report
 
     def _announce(self, passes: int) -> None:
         """Tell follower ranks how many exporter passes this push runs (once per push)."""
         if world() is not None and not self._announced:
-            _share_int(passes)
+            share_int(passes)
             self._passes = passes
         self._announced = True
 
     def _pass_started(self) -> None:
         self._passes_run += 1
+
+    def _drain(self, model: Any, name_map: NameMap | None) -> None:
+        """The exporter passes rank 0 announced and did not run (a failure between the
+        announcement and a pass, a catch-up that was not needed): the followers are gathering
+        already, so rank 0 runs them too."""
+        self._announce(0)
+        for _ in range(self._passes - self._passes_run):
+            self._passes_run += 1
+            for _ in self.exporter.buckets(model, name_map=name_map):
+                pass
+
+    def _join_probe(self, model: Any, name_map: NameMap | None) -> None:
+        """Rank 0 is about to run the probe's forward pass: the followers run it with it."""
+        if world() is not None:
+            self._drain(model, name_map)
+            share_int(1)
+            self._probing = True
 
     def _bound(self, adapters: list[Adapter], clock: Clock) -> None:
         for a in adapters:
@@ -299,7 +302,8 @@ class WeightSync:
         finally:
             renewer.close()
         with clock.timed("probe"):
-            run_probe(model, version, live, report, self.settings.probe, calls.each)
+            run_probe(model, version, live, report, self.settings.probe, calls.each,
+                      lambda: self._join_probe(model, name_map))
         if any(o.ok for o in report.engines.values()):
             self.last_version = version
         report.verified = bool(report.engines) and all(o.status == "verified"

@@ -5,7 +5,9 @@ engine's load path, weights changed after the commit). An engine over the tolera
 `failed` at stage `probe`, and asked to serve no gated request until a later push passes.
 
 The trainer's logprobs need a causal LM it can run (a module whose output has `.logits`); a state
-dict or another model is not probed ("auto") or fails the push ("on")."""
+dict or another model is not probed ("auto") or fails the push ("on"). In a multi-rank trainer
+(FSDP2, a Ray trainer's ranks) every rank runs the probe's forward pass, since a sharded model's
+forward is a collective, and rank 0 compares (`join_probe` is the followers' side)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from weightsync.config import ProbeSettings
 from weightsync.errors import WeightSyncError
 from weightsync.interfaces import Adapter, Distrusts, Scores
 from weightsync.interfaces.sampling import Unsupported
-from weightsync.sync.ranks import distributed
 from weightsync.sync.report import SyncReport
 
 log = logging.getLogger("weightsync.sync.probe")
@@ -61,18 +62,25 @@ def gap(mine: list[float], theirs: list[float]) -> dict[str, float]:
     return {"mean": sum(d) / max(len(d), 1), "max": max(d, default=0.0)}
 
 
+def join_probe(model: Any, settings: ProbeSettings) -> None:
+    """A follower rank's part of the probe: the same forward pass as rank 0's, on the same ids."""
+    vocab = vocab_of(model) if isinstance(model, torch.nn.Module) else None
+    if vocab is not None:
+        trainer_logprobs(model, probe_ids(vocab, settings.length, settings.seed))
+
+
 def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncReport,
               settings: ProbeSettings,
-              each: Callable[..., tuple[dict[str, Any], dict[str, BaseException]]]) -> None:
+              each: Callable[..., tuple[dict[str, Any], dict[str, BaseException]]],
+              join: Callable[[], None] = lambda: None) -> None:
     """Probe every engine of `adapters` that committed `version`; write each one's gap into the
-    report (`EngineOutcome.probe`) and fail those over the tolerance."""
+    report (`EngineOutcome.probe`) and fail those over the tolerance. `join` is called right
+    before the trainer's forward pass (it brings a multi-rank trainer's other ranks in)."""
     if settings.mode == "off":
         return
-    dist = distributed()
-    vocab = vocab_of(model) if isinstance(model, torch.nn.Module) and not dist else None
+    vocab = vocab_of(model) if isinstance(model, torch.nn.Module) else None
     if vocab is None:
-        why = ("the trainer is distributed (rank 0 alone cannot run the model)" if dist else
-               "the pushed model is not a causal LM the trainer can score")
+        why = "the pushed model is not a causal LM the trainer can score"
         report.probe = f"skipped: {why}"
         if settings.mode == "on":
             for o in report.engines.values():
@@ -81,6 +89,7 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
         return
     ids = probe_ids(vocab, settings.length, settings.seed)
     tolerance = settings.tolerance or tolerance_for(model)
+    join()
     mine = trainer_logprobs(model, ids)
     targets = [a for a in adapters
                if isinstance(a, Scores) and (seen := report.engines.get(a.engine_name)) is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["distributed", "rank", "world"]
+__all__ = ["device_of", "distributed", "rank", "share_int", "world"]
 
 
 def world() -> Any:
@@ -24,3 +24,20 @@ def rank() -> int:
     """This process's rank in the trainer's group; 0 when it is not distributed."""
     dist = world()
     return dist.get_rank() if dist is not None else 0
+
+
+def device_of(dist: Any) -> Any:
+    """Where the group's collectives run: the current CUDA device under nccl, else the CPU."""
+    import torch
+    gpu = dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if gpu else "cpu"
+
+
+def share_int(value: int | None) -> int:
+    """Rank 0's `value` on every rank of the trainer's default group (the others pass None)."""
+    import torch
+    dist = world()
+    assert dist is not None
+    t = torch.tensor([value if value is not None else 0], dtype=torch.int64, device=device_of(dist))
+    dist.broadcast(t, 0)
+    return int(t.item())
