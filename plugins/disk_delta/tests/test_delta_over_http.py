@@ -1,8 +1,9 @@
 """Item 4: the delta apply is a library call, so weightsync's own receiver (here: reference engine
-processes) takes delta payloads over any transport, e.g. core's `http`, bit-exact."""
+processes) takes delta payloads over any transport: core's `http`, `shm` and `collective`, bit-exact."""
 
 from pathlib import Path
 
+import pytest
 import requests
 
 from weightsync import WeightSync
@@ -89,3 +90,25 @@ def test_reference_engine_load_from_disk_checks_before_applying(tmp_path: Path) 
         ad.load_from_disk(str(good), 5)
         assert e.health()["version"] == 5 and bit_equal(e.weights(), tr.state()) == []
         ad.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_delta_through_shm_and_collective_is_bit_exact(tmp_path: Path, transport: str) -> None:
+    """The same deltas over core's other two transports (a gloo group for `collective`)."""
+    tr = Trainer(tmp_path / "model")
+    served = weights_only(tmp_path / "model", tmp_path / "served")
+    engines = start_all([EngineProcess(served, log=tmp_path / f"{n}.log") for n in "ab"])
+    try:
+        cfg = _config([e.spec() for e in engines], tmp_path / "model")
+        cfg["transport"] = transport
+        with WeightSync.from_config(cfg) as sync:
+            for v in (1, 2):
+                tr.step()
+                r = sync.push(tr.state(), version=v)
+                assert r.ok and r.verified, r.summary()
+                assert r.density is not None and 0 < r.density < 1 and r.wire_bytes < r.logical_bytes
+                for e in engines:
+                    assert e.health()["version"] == v and bit_equal(e.weights(), tr.state()) == []
+    finally:
+        for e in engines:
+            e.stop()
