@@ -31,7 +31,7 @@ def test_plugins_table():
 def test_check_accepts_and_refuses(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("transport: http\nengines: [{url: 'http://127.0.0.1:9'}]\n")
-    out = run("check", str(good))
+    out = run("check", "--offline", str(good))          # the config alone: nothing contacted
     assert out.returncode == 0 and "transport http" in out.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("transport: teleport\nengines: [{url: 'http://127.0.0.1:9'}]\n")
@@ -106,6 +106,25 @@ def test_check_reports_every_problem_at_once(tmp_path):
     assert out.returncode == 2 and len(errors) >= 2, out.stderr
     assert any("unknown transport 'teleport'" in e for e in errors)
     assert any("encoding 'cast': bad options" in e for e in errors)
+
+
+def test_check_says_where_a_key_belongs_and_what_a_name_was_meant_to_be(tmp_path):
+    """One pass: the schema's problems (a misplaced key, a misspelt one) and an unknown
+    component's name, each with the fix."""
+    cfg = tmp_path / "typos.yaml"
+    cfg.write_text("transport: htpp\npause_mode: keep\nsync: {lease: 5, probe: {lenght: 8}}\n"
+                   "engines: [{url: 'http://127.0.0.1:9', token: abc}]\n")
+    out = run("check", str(cfg))
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert out.returncode == 2 and sorted(errors) == sorted([
+        "error: pause_mode: unknown key; `pause_mode` belongs under `sync`",
+        "error: sync.probe.lenght: unknown key; did you mean `length`?",
+        "error: engines.0.token: unknown key; an engine takes ['adapter', 'api_key', 'name', "
+        "'options', 'url', 'verify']; an adapter option such as `token` goes under that engine's "
+        "`options` (or the top-level `adapter.options`)",
+        "error: unknown transport 'htpp'; did you mean 'http'?; installed: "
+        + str(sorted(__import__("weightsync.plugins").plugins.load_components().transports.names())),
+    ]), out.stderr
 
 
 def test_serve_makes_openmp_threads_wait_passively_unless_told():

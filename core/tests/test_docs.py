@@ -108,11 +108,11 @@ def test_tutorial_config_checks_and_traces(installed: dict) -> None:
     """Step 6's `weightsync check` and the trace shown under "Controlling which plugins load",
     from one run (the trace goes to stderr, the check's answer to stdout)."""
     (config, command, output), = CHECK_BLOCK.findall(tutorial())
-    assert command == f"weightsync check {config}"
+    assert command == f"weightsync check --offline {config}"
     trace = re.search(rf"```console\n\$ WEIGHTSYNC_TRACE_PLUGINS=1 WEIGHTSYNC_PLUGINS=echo,reference "
                       rf"{command}\n(.*?)```", tutorial(), re.S)
     assert trace is not None
-    r = run(installed, "-m", "weightsync", "check", config,
+    r = run(installed, "-m", "weightsync", "check", "--offline", config,
             WEIGHTSYNC_TRACE_PLUGINS="1", WEIGHTSYNC_PLUGINS="echo,reference")
     assert r.returncode == 0, r.stderr
     assert r.stdout == output

@@ -56,13 +56,21 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from weightsync.sync.check import check_config
+    from weightsync.config import SyncConfig
+    from weightsync.sync.check import check_config, contact
     problems, summary = check_config(args.config)
+    lines: list[str] = []
+    if not problems and not args.offline:
+        from weightsync.sync.pipeline import WeightSync
+        with WeightSync.from_config(SyncConfig.load(args.config)) as sync:
+            problems, lines = contact(sync)
+    for line in lines:
+        print(f"  {line}")
     if problems:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         return 2
-    print(f"ok: {summary}")
+    print(f"ok: {summary}" + ("" if args.offline else f"; {len(lines)} engines answered"))
     return 0
 
 
@@ -113,6 +121,8 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("check", help="validate a sync config against the installed plugins "
                         "(every problem at once)", formatter_class=_FMT)
     sp.add_argument("config", help="a .yaml, .yml, .toml or .json sync config")
+    sp.add_argument("--offline", action="store_true", help="check the config alone; by default "
+                    "every engine of the fleet is asked for its health, version and access")
     sp.set_defaults(fn=_check)
 
     sp = sub.add_parser("join", formatter_class=_FMT, help="register an engine that cannot "

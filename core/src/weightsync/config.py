@@ -3,6 +3,7 @@ that lives here (no interface is imported): assembly.py turns it into components
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
 from pathlib import Path
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from weightsync.interfaces.base import Component
 
 __all__ = ["ByteSize", "ComponentRef", "EngineSpec", "LOCAL_HOSTS", "ProbeSettings", "SyncConfig",
-           "SyncSettings", "build_options", "parse_bytes", "read_config_file"]
+           "SyncSettings", "build_options", "explain_errors", "parse_bytes", "read_config_file"]
 
 _BYTES: TypeAdapter[pydantic.ByteSize] = TypeAdapter(pydantic.ByteSize)
 
@@ -170,8 +171,42 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def _explain(e: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-                     for err in e.errors())
+    return "; ".join(explain_errors(e))
+
+
+def _misplaced(loc: tuple[Any, ...], key: str) -> str:
+    """A hint for an unknown key: a close spelling at its own level, or the section it belongs
+    to; inside an engine or a component, anything else is an option of its adapter/component."""
+    here = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+    models: dict[str, type[BaseModel]] = {"": SyncConfig, "sync": SyncSettings,
+                                          "sync.probe": ProbeSettings, "engines": EngineSpec}
+    fields = list(models[here].model_fields) if here in models else []
+    near = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
+    if near:
+        return f"did you mean `{near[0]}`?"
+    if here in ("exporter", "encoding", "transport", "adapter", "fleet"):
+        return f"a component takes `kind` and `options`; put `{key}` under `{here}.options`"
+    homes = [path for path, m in models.items() if key in m.model_fields and path != here]
+    if homes:
+        return f"`{key}` belongs under `{homes[0] or 'the top level'}`"
+    if here == "engines":
+        return (f"an engine takes {sorted(EngineSpec.model_fields)}; an adapter option such as "
+                f"`{key}` goes under that engine's `options` (or the top-level `adapter.options`)")
+    return f"known keys here: {sorted(fields)}"
+
+
+def explain_errors(e: ValidationError) -> list[str]:
+    """One sentence per schema error, saying where it is and, for an unknown key, where it
+    belongs or what it was probably meant to be."""
+    out = []
+    for err in e.errors():
+        loc = tuple(err["loc"])
+        where = ".".join(str(p) for p in loc) or "<root>"
+        if err["type"] == "extra_forbidden" and loc:
+            out.append(f"{where}: unknown key; {_misplaced(loc, str(loc[-1]))}")
+        else:
+            out.append(f"{where}: {err['msg']}")
+    return out
 
 
 def build_options(cls: type[Component], ref: ComponentRef, kind: str,

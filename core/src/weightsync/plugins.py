@@ -6,6 +6,8 @@ registries are first filled."""
 
 from __future__ import annotations
 
+import difflib
+
 import importlib
 import importlib.metadata
 import logging
@@ -130,7 +132,10 @@ class Registry(Generic[C]):
         try:
             return self._classes[name]
         except KeyError:
-            msg = f"unknown {self.kind} {name!r}; installed: {sorted(self._classes)}"
+            near = difflib.get_close_matches(str(name), list(self._classes), n=3, cutoff=0.6)
+            msg = (f"unknown {self.kind} {name!r}"
+                   + (f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else "")
+                   + f"; installed: {sorted(self._classes)}")
             if self.failed:
                 msg += "; plugins that failed to import: " + ", ".join(
                     f"{k} ({v})" for k, v in sorted(self.failed.items()))

@@ -15,7 +15,8 @@ from weightsync.config import EngineSpec
 from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError
 from weightsync.transports.http.sending import HttpReceiver, HttpTransport
-from weightsync_vllm.adapter import VllmAdapter, VllmOptions, render_fetch
+from weightsync_vllm.adapter import VllmAdapter, VllmOptions
+from weightsync_vllm.bodies import render_fetch
 from weightsync_vllm.staging import CheckpointIndex, StagedRound
 from weightsync_vllm.testing import vllm_available
 

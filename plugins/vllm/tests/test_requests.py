@@ -15,7 +15,8 @@ from weightsync.encodings.raw import RawEncoding
 from weightsync.errors import PayloadError
 from weightsync.transports.http.sending import HttpReceiver, HttpTransport
 from weightsync_vllm import native
-from weightsync_vllm.adapter import VllmAdapter, _parse_version, render_update_weights
+from weightsync_vllm.adapter import VllmAdapter, _parse_version
+from weightsync_vllm.bodies import render_update_weights
 from weightsync_vllm.generation import VllmSampler
 from weightsync_vllm.launch import VllmLauncher
 from weightsync_vllm.staging import CheckpointIndex, StagedRound

@@ -5,8 +5,8 @@ the orchestrator builds it from config and calls it directly. One module per kin
 
 from weightsync.interfaces.adapter import AckedRound, Adapter, EngineStatus, HttpAdapter
 from weightsync.interfaces.base import Alloc, Bounded, Component, NameMap, NoOptions, Payload
-from weightsync.interfaces.capabilities import (Distrusts, JoinsGroups, PullsFromPeers,
-                                                RelaysFetches, RelaysPayloads, ReloadsFromDisk,
+from weightsync.interfaces.capabilities import (ChecksAccess, Distrusts, JoinsGroups,
+                                                PullsFromPeers, RelaysFetches, RelaysPayloads, ReloadsFromDisk,
                                                 Scores, ServesPayloads, SharesWeights)
 from weightsync.interfaces.fleet import Fleet, Member, PeerSource
 from weightsync.interfaces.launcher import Launcher, LocalEngine
@@ -14,8 +14,8 @@ from weightsync.interfaces.messages import Announce, Message
 from weightsync.interfaces.streams import (Encoding, Endpoint, Exporter, Render, Stages, Transport,
                                            TransportReceiver)
 
-__all__ = ["AckedRound", "Adapter", "Alloc", "Announce", "Bounded", "Component", "Distrusts", "Encoding",
-           "EngineStatus", "Endpoint", "Exporter", "Fleet", "HttpAdapter", "JoinsGroups", "Launcher",
+__all__ = ["AckedRound", "Adapter", "Alloc", "Announce", "Bounded", "ChecksAccess", "Component",
+           "Distrusts", "Encoding", "EngineStatus", "Endpoint", "Exporter", "Fleet", "HttpAdapter", "JoinsGroups", "Launcher",
            "LocalEngine", "Member", "Message", "NameMap", "NoOptions", "Payload", "PeerSource",
            "PullsFromPeers", "RelaysFetches", "RelaysPayloads", "ReloadsFromDisk", "Render",
            "Scores", "ServesPayloads", "SharesWeights", "Stages", "Transport", "TransportReceiver"]

@@ -9,8 +9,17 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 from weightsync.interfaces.streams import Endpoint
 
-__all__ = ["Distrusts", "JoinsGroups", "PullsFromPeers", "RelaysFetches", "RelaysPayloads",
+__all__ = ["ChecksAccess", "Distrusts", "JoinsGroups", "PullsFromPeers", "RelaysFetches", "RelaysPayloads",
            "ReloadsFromDisk", "Scores", "ServesPayloads", "SharesWeights", "group_ranks"]
+
+
+@runtime_checkable
+class ChecksAccess(Protocol):
+    """The adapter can check its credential with a call that changes nothing (`weightsync check`
+    and `WeightSync.preflight` ask before a trainer loads its model)."""
+
+    def check_access(self) -> None:
+        """Raise EngineError saying what was refused (a missing or wrong key), else return."""
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from weightsync.sync.assembly import check_fleet_engines, check_pause_mode, plan_engine
-from weightsync.config import SyncConfig, build_options, read_config_file
+from weightsync.config import ComponentRef, SyncConfig, build_options, explain_errors, read_config_file
 from weightsync.errors import WeightSyncError
 
 
@@ -20,12 +20,11 @@ def check_config(source: str | Path) -> tuple[list[str], str]:
         data = read_config_file(Path(source))
     except WeightSyncError as e:
         return [str(e)], ""
+    components = load_components()
     try:
         config = SyncConfig.model_validate(data)
-    except ValidationError as e:
-        return [f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-                for err in e.errors()], ""
-    components = load_components()
+    except ValidationError as e:       # the schema's problems, and the names it could read
+        return explain_errors(e) + _unknown_names(data, components), ""
     problems: list[str] = []
     found: dict[str, Any] = {}
     for kind, ref in (("exporter", config.exporter), ("encoding", config.encoding),
@@ -64,4 +63,45 @@ def check_config(source: str | Path) -> tuple[list[str], str]:
     return problems, summary
 
 
-__all__ = ["check_config"]
+def _unknown_names(data: dict[str, Any], components: Any) -> list[str]:
+    """Components named in a config that failed its schema: still checked, so one pass says all."""
+    out = []
+    for kind in ("exporter", "encoding", "transport", "adapter", "fleet"):
+        if kind not in data:
+            continue
+        try:
+            components.registry(kind).get(ComponentRef.model_validate(data[kind]).kind)
+        except (ValidationError, WeightSyncError) as e:
+            if isinstance(e, WeightSyncError):
+                out.append(str(e))
+    return out
+
+
+def contact(sync: Any) -> tuple[list[str], list[str]]:
+    """(problems, lines) of a `WeightSync`'s fleet: each engine (the registry's members, or the
+    static list) asked for its health and version, and for access where its adapter can check a
+    credential without changing anything (`ChecksAccess`)."""
+    from weightsync.interfaces import ChecksAccess
+    problems: list[str] = []
+    lines: list[str] = []
+    try:
+        engines = sync.members()
+    except WeightSyncError as e:
+        return [f"fleet: {e}"], lines
+    if not engines and not sync.transport.publish_only:
+        problems.append("the fleet has no members: no engine is registered or listed")
+    for a in engines:
+        where = f"engine {a.engine_name} ({getattr(a, 'base', '?')})"
+        try:
+            st = a.health()
+            if isinstance(a, ChecksAccess):
+                a.check_access()
+        except WeightSyncError as e:
+            problems.append(f"{where}: {e}")
+            continue
+        access = "access ok" if isinstance(a, ChecksAccess) else "access not checkable"
+        lines.append(f"{where}: reachable, version {st.version}, {access}")
+    return problems, lines
+
+
+__all__ = ["check_config", "contact"]

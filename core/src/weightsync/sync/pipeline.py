@@ -15,7 +15,7 @@ import torch
 from weightsync.sync.assembly import ResolvedConfig, check_pause_mode, plan_engine, resolve
 from weightsync.sync.peer_join import PeerCatchUp
 from weightsync.config import ComponentRef, SyncConfig
-from weightsync.errors import SyncError, WeightSyncError
+from weightsync.errors import ConfigError, SyncError, WeightSyncError
 from weightsync.interfaces import Adapter, Encoding, Member, NameMap
 from weightsync.plugins import Components, load_components
 from weightsync.sync.probe import join_probe, run_probe
@@ -87,6 +87,16 @@ class WeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def preflight(self) -> list[str]:
+        """Ask every engine of the fleet for its health, version and access before the trainer
+        spends minutes loading a model: a wrong URL or key fails here (ConfigError, every
+        problem at once), not at the first push. Returns a line per engine."""
+        from weightsync.sync.check import contact
+        problems, lines = contact(self)
+        if problems:
+            raise ConfigError("the fleet is not ready for a push:\n  " + "\n  ".join(problems))
+        return lines
 
     def close(self) -> None:
         self.transport.close()

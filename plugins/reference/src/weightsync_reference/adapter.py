@@ -59,6 +59,10 @@ class ReferenceAdapter(HttpAdapter):
         body = json_of(self.request("GET", "/health"), self.engine_name) or {}
         return EngineStatus(int(body.get("version", 0)), bool(body.get("paused")), body)
 
+    def check_access(self) -> None:
+        """`GET /info` takes the engine key (a 401 or 403 names what was refused)."""
+        self.request("GET", "/info", push=False)
+
     def pause(self, mode: str) -> None:
         self._post("/pause", {"mode": mode, "lease": self.lease})
 

@@ -11,9 +11,7 @@ Rollouts are `generation.VllmSampler`; starting servers is `launch.VllmLauncher`
 
 from __future__ import annotations
 
-import base64
 import functools
-import json
 import logging
 import os
 import threading
@@ -29,6 +27,7 @@ from weightsync.net.client import json_of
 from weightsync.transports.collective import JoinGroup, LeaveGroup
 from weightsync.transports.http import FetchPayload
 
+from .bodies import render_fetch, render_update_weights
 from .generation import distrust_on, parse_version as _parse_version, score_on
 from .guard import TOKEN_ENV
 
@@ -52,29 +51,6 @@ class VllmOptions(BaseModel):
     token: str | None = Field(None, description="the weightsync backend's token (the server's "
                                                 "$WEIGHTSYNC_VLLM_TOKEN); default: this "
                                                 "process's $WEIGHTSYNC_VLLM_TOKEN")
-
-
-def render_fetch(header: dict[str, Any], fetch: dict[str, Any],
-                 round_id: str | None = None, token: str | None = None) -> tuple[list[Any], str]:
-    """The http transport's payload as vLLM's JSON /update_weights body without the bytes:
-    {"update_info": {"round": id, "header": {...}, "fetch": {"url", "token", "nbytes"}}}; the
-    worker fetches the body from the trainer's body server."""
-    info = {"round": round_id, "header": header, "fetch": fetch}
-    if token:
-        info["token"] = token
-    return [json.dumps({"update_info": info}, separators=(",", ":")).encode()], "application/json"
-
-
-def render_update_weights(header: dict[str, Any], body: torch.Tensor,
-                          round_id: str | None = None, token: str | None = None) -> tuple[list[Any], str]:
-    """The http transport's payload as vLLM's JSON /update_weights body, built as parts (the
-    base64 text is the only copy): {"update_info": {"round": id, "header": {...}, "body_b64": "..."}}."""
-    # numpy's stubs give ndarray __buffer__ only on Python 3.12+
-    data = memoryview(body.contiguous().numpy()) if body.numel() else b""  # type: ignore[arg-type]
-    head = (b'{"update_info":{"round":' + json.dumps(round_id).encode()
-            + (b',"token":' + json.dumps(token).encode() if token else b"") + b',"header":'
-            + json.dumps(header, separators=(",", ":")).encode() + b',"body_b64":"')
-    return [head, base64.b64encode(data), b'"}}'], "application/json"
 
 
 class VllmAdapter(HttpAdapter):
@@ -150,6 +126,12 @@ class VllmAdapter(HttpAdapter):
         raw = (self._call("GET", "/weight_info") or {}).get("weight_version")
         self._engine_version = version = _parse_version(raw)
         return EngineStatus(version, False, {"weight_version": raw})
+
+    def check_access(self) -> None:
+        """vLLM's `--api-key` (`GET /v1/models`) and the backend's token (an empty init_info,
+        which the backend checks and then does nothing with)."""
+        self._call("GET", "/v1/models")
+        self._init({})
 
     def is_paused(self) -> bool:
         return bool((self._call("GET", "/is_paused") or {}).get("is_paused"))
