@@ -9,6 +9,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers import TrainerCallback
+
 from .client import WeightSyncVLLMClient
 from .session import ConfigSource, SyncSession, load_config
 
@@ -42,14 +44,42 @@ class Installed:
 
 def attach(trainer: Any) -> SyncSession | None:
     """Bind a built trainer to the weightsync client it holds (done for GRPOTrainer and
-    RLOOTrainer by `use_weightsync`; call it for other trainers that own a `vllm_generation`).
-    Returns the session, or None when the trainer's client is not weightsync's (a non-main
-    process holds none)."""
-    client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)
+    RLOOTrainer by `use_weightsync`; call it for other trainers that own a `vllm_generation`),
+    and add the final push (`FinalPush`) on every rank. Returns the session, or None when the
+    trainer's client is not weightsync's (a non-main process holds none)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    client = getattr(generation, "vllm_client", None)
+    ours = isinstance(client, WeightSyncVLLMClient)
+    main = getattr(getattr(trainer, "accelerator", None), "is_main_process", True)
+    if generation is not None and getattr(generation, "mode", "server") == "server" and (ours or not main):
+        add_final_push(trainer)
     if not isinstance(client, WeightSyncVLLMClient):
         return None
     client.weightsync.attach(trainer)
     return client.weightsync
+
+
+class FinalPush(TrainerCallback):
+    """TRL syncs at the start of a step, so after `train()` the servers would hold the weights
+    from before the last optimizer step: at train end this runs TRL's own `sync_weights()` once
+    more (every rank: FSDP/ZeRO gathers are collectives), as version `base + steps + 1`."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        if getattr(t, "_last_loaded_step", None) == state.global_step:
+            return                      # the last optimizer step was synced already
+        t.vllm_generation.sync_weights()
+        t._last_loaded_step = state.global_step
+
+
+def add_final_push(trainer: Any) -> None:
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is None or any(isinstance(c, FinalPush) for c in handler.callbacks):
+        return
+    trainer.add_callback(FinalPush(trainer))
 
 
 def use_weightsync(config: ConfigSource = None) -> Installed:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from weightsync import SyncConfig, SyncError, SyncReport, WeightSync
+from weightsync import SyncConfig, SyncError, SyncReport, WeightSync, WeightSyncError
 from weightsync.config import read_config_file
 
 log = logging.getLogger("weightsync.trl")
@@ -60,7 +60,11 @@ def metrics_of(report: SyncReport) -> dict[str, float]:
 
 
 class SyncSession:
-    """A lazily built `WeightSync` plus the version rule and the trainer to log into."""
+    """A lazily built `WeightSync` plus the version rule and the trainer to log into.
+
+    Versions continue above what the fleet holds when the first push of the session runs (`base`,
+    core's `fleet_version()`: 0 on freshly started servers), so a rerun of the same script against
+    running servers pushes `base + 1, ...` instead of being refused as not newer."""
 
     def __init__(self, config: ConfigSource = None, *, server_url: str | None = None,
                  version: Callable[[], int] | None = None,
@@ -71,8 +75,10 @@ class SyncSession:
         self.step_versions = step_versions        # attached: version = the trainer's global step
         self.on_report = on_report
         self.trainer: Any = None
+        self.metrics_mode: str | None = None      # None: "train" or "eval" from the model's mode
         self.sync: WeightSync | None = None
         self.reports: list[SyncReport] = []
+        self.base: int | None = None              # the fleet's version before this session's first push
         self._counter = 0
         self._lock = threading.Lock()
 
@@ -89,18 +95,34 @@ class SyncSession:
         """Versions from `trainer.state.global_step`; metrics go into `trainer._metrics`."""
         self.trainer = trainer
 
+    def fleet_base(self) -> int:
+        """The version the fleet holds before this session's first push (read once): a rerun's
+        versions start above it. A fleet that cannot be read counts as 0; the push then names the
+        engine that refuses."""
+        if self.base is None:
+            try:
+                self.base = int(self.open().fleet_version() or 0)
+            except WeightSyncError as e:
+                log.warning("weightsync: could not read the fleet's version (%s); counting from 0", e)
+                self.base = 0
+            if self.base:
+                log.info("weightsync: the servers hold version %d; this run's versions continue "
+                         "above it", self.base)
+        return self.base
+
     def next_version(self) -> int:
-        """Attached to a trainer: its global step + 1, the (1-based) step whose rollouts these
-        weights generate (TRL syncs at the start of a step; the served checkpoint is version
-        0). Else a counter from 1. Kept growing if one step syncs twice."""
+        """Attached to a trainer: `base` + its global step + 1, the (1-based) step whose rollouts
+        these weights generate (TRL syncs at the start of a step; the served checkpoint is version
+        0). Else `base` + a counter from 1; `version()` when given. Kept growing if one step
+        syncs twice."""
         last = self.sync.last_version if self.sync is not None else None
         if self.version_fn is not None:
             v = int(self.version_fn())
         elif self.step_versions and getattr(self.trainer, "state", None) is not None:
-            v = int(self.trainer.state.global_step) + 1
+            v = self.fleet_base() + int(self.trainer.state.global_step) + 1
         else:
             self._counter += 1
-            v = self._counter
+            v = self.fleet_base() + self._counter
         if last is not None and v <= last:
             v = last + 1
         return v
@@ -138,7 +160,8 @@ class SyncSession:
         if store is None:
             return
         model = getattr(self.trainer, "model", None)
-        mode = "train" if model is None or getattr(model, "training", True) else "eval"
+        mode = self.metrics_mode or ("train" if model is None or getattr(model, "training", True)
+                                     else "eval")
         bucket = store[mode] if mode in store else store.setdefault(mode, {})
         for k, v in metrics_of(report).items():
             if k in bucket:
