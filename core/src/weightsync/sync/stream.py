@@ -18,11 +18,13 @@ _DONE = object()
 
 
 def model_bytes(model: Any) -> int | None:
-    if isinstance(model, torch.nn.Module):
-        return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    if isinstance(model, dict):
-        return sum(t.numel() * t.element_size() for t in model.values())
-    return None
+    """The bytes of a module's or a state dict's tensors (a progress bar's total); entries that
+    are not tensors (Megatron's `_extra_state`) count nothing."""
+    values = (model.state_dict().values() if isinstance(model, torch.nn.Module)
+              else model.values() if isinstance(model, dict) else None)
+    if values is None:
+        return None
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
 
 
 class Progress:
@@ -66,11 +68,11 @@ class Stream:
         advance though no engine takes it); "engines": stops once none is left. Each payload's
         digest goes into `digests`; `count` False reports only wire bytes (a catch-up pass)."""
         timed = self.timed
-        self.on_pass()
         slots = threading.Semaphore(self.max_inflight)
         q: queue.Queue = queue.Queue()
         stop = threading.Event()
         bar = Progress(self.progress, model_bytes(model), report.version)
+        self.on_pass()      # counted only now: a failure before it leaves the pass to be drained
         alloc = self.transport.alloc
         ahead = self.transport.announce_ahead       # collective: announce on packing
         changed = elements = sent = 0
