@@ -33,10 +33,11 @@ DISTS = {                                   # distribution -> its directory in t
     "weightsync-ray": "plugins/ray",
     "weightsync-rl": "plugins/rl",
     "weightsync-reference": "plugins/reference",
+    "weightsync-megatron": "plugins/megatron",
 }
 PACKAGES = {dist: "weightsync" if dist == "weightsync-core" else dist.replace("-", "_")
             for dist in DISTS}
-IMPORT_TO_DIST = {"yaml": "pyyaml", "weightsync": "weightsync-core"}
+IMPORT_TO_DIST = {"yaml": "pyyaml", "weightsync": "weightsync-core", "megatron": "megatron-core"}
 # imports a distribution may make without declaring them, and why
 UNDECLARED_OK = {
     "weightsync-core": {
@@ -331,6 +332,7 @@ PLUGIN_COMPONENTS = {
     "weightsync-ray": ("ray", {"fleet:ray"}),
     "weightsync-rl": ("rl", set()),
     "weightsync-reference": ("reference", {"adapter:reference"}),
+    "weightsync-megatron": ("megatron", {"exporter:megatron"}),
 }
 
 
