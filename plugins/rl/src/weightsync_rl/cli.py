@@ -53,7 +53,8 @@ def _demo(args: argparse.Namespace) -> int:
     from weightsync_rl.demo import run_demo
     return run_demo(engine=args.engine, steps=args.steps, workdir=args.workdir,
                     mode="async" if args.async_ else "sync", push=not args.no_push,
-                    plot_path=args.plot)
+                    plot_path=args.plot, metrics_path=args.metrics, tensorboard=args.tensorboard,
+                    wandb=args.wandb)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -69,6 +70,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "engines keep the first weights and the reward must not rise)")
     sp.add_argument("--plot", default=None, help="where the PNG of the run goes "
                     "(default: ./weightsync-demo-ENGINE-MODE.png)")
+    sp.add_argument("--metrics", default=None, metavar="FILE", help="each step's metrics as a "
+                    "JSON line (default: the plot's path with .jsonl)")
+    sp.add_argument("--tensorboard", default=None, metavar="DIR", help="also log each step to "
+                    "TensorBoard in DIR (pip install 'weightsync-rl[tensorboard]')")
+    sp.add_argument("--wandb", default=None, metavar="PROJECT", help="also log each step to this "
+                    "Weights & Biases project (pip install 'weightsync-rl[wandb]')")
     sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
     sp.set_defaults(fn=_demo)
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from weightsync_rl.metrics import MetricsLog
 from weightsync_rl.report import MARGIN, first_last, plot, print_step, print_summary
 
 PROMPTS, GROUP, LR, EPOCHS, SEED = 32, 8, 3e-3, 4, 1
@@ -36,13 +37,21 @@ def _wait(cond: Callable[[], bool], timeout: float) -> bool:
 
 
 def run_demo(engine: str = "reference", steps: int = 40, workdir: str | None = None,
-             mode: str = "sync", push: bool = True, plot_path: str | None = None) -> int:
+             mode: str = "sync", push: bool = True, plot_path: str | None = None,
+             metrics_path: str | None = None, tensorboard: str | None = None,
+             wandb: str | None = None) -> int:
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     png = Path(plot_path) if plot_path else Path.cwd() / f"weightsync-demo-{engine}-{mode}.png"
+    jsonl = Path(metrics_path) if metrics_path else png.with_suffix(".jsonl")
+    jsonl.unlink(missing_ok=True)                    # this run's steps only
+    log = MetricsLog(jsonl, tensorboard=tensorboard, wandb=wandb)
     try:
-        return _run(engine, steps, work, mode, push, png)
+        return _run(engine, steps, work, mode, push, png, log)
     finally:
+        log.close()
+        print(f"metrics: {jsonl}" + (f", TensorBoard {tensorboard}" if tensorboard else "")
+              + (f", wandb project {wandb}" if wandb else ""))
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -62,7 +71,8 @@ def _setup(model_dir: Path) -> tuple[Any, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
 
 
-def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) -> int:
+def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path,
+         log: MetricsLog) -> int:
     from weightsync import WeightSync
     from weightsync.plugins import load_components
     from weightsync_rl.loop import RLLoop
@@ -114,7 +124,7 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path) 
                           prompts_per_step=PROMPTS, mode=mode, epochs=EPOCHS,
                           busy=lambda: _busy(sync, components),
                           # the control run's pushes never land on purpose: it must not stop
-                          max_failed_pushes=3 if push else None)
+                          max_failed_pushes=3 if push else None, metrics=log)
             stats = []
             stop_at = steps // 2
             # the step size decays linearly to 0 over the run: at a constant one the policy

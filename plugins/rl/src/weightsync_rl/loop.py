@@ -104,7 +104,8 @@ class RLLoop:
                  mode: str = "sync", max_staleness: int = 1, clip: float = 0.2, epochs: int = 2,
                  busy: Callable[[], dict[str, float]] | None = None, wait: float = 60.0,
                  keep_mixed: bool = True, max_failed_pushes: int | None = 3,
-                 correction: str = "token_truncate", correction_cap: float = 5.0) -> None:
+                 correction: str = "token_truncate", correction_cap: float = 5.0,
+                 metrics: Any = None) -> None:
         if mode not in ("sync", "async"):
             raise ValueError(f"mode {mode!r}: use 'sync' or 'async'")
         if max_staleness < 0:
@@ -114,6 +115,7 @@ class RLLoop:
         if correction_cap <= 0:
             raise ValueError("correction_cap must be > 0")
         self.correction, self.correction_cap = correction, correction_cap
+        self.metrics = metrics               # a metrics.MetricsLog: each step's stats, as they come
         if max_failed_pushes is not None and max_failed_pushes < 1:
             raise ValueError("max_failed_pushes must be >= 1 (None: never stop)")
         self.model, self.opt, self.sync, self.sampler = model, optimizer, sync, sampler
@@ -171,6 +173,8 @@ class RLLoop:
                 self._push(st)
                 if self.mode == "sync" and step < steps:
                     pending = self._request(self.version)
+                if self.metrics is not None:
+                    self.metrics.log(st)
                 yield st
                 self._stop_if_failing(st)
         finally:
