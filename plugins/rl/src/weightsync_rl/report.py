@@ -9,6 +9,7 @@ from weightsync_rl.loop import StepStats
 
 MARGIN = 0.15           # the rise of the mean reward (first 3 steps -> last 3) a run must show
 WINDOW = 3
+JUDGED_FROM = 20        # steps: a shorter run reports the change of its reward, unjudged
 
 
 def first_last(stats: list[StepStats]) -> tuple[float, float]:
@@ -18,9 +19,11 @@ def first_last(stats: list[StepStats]) -> tuple[float, float]:
     return (sum(s.reward for s in stats[:w]) / w, sum(s.reward for s in stats[-w:]) / w)
 
 
-def print_step(st: StepStats) -> None:
+def print_step(st: StepStats, mode: str = "async") -> None:
+    """One line a step; what the engines generated during the push only where the loop can
+    generate then (async: a sync loop's engines idle through every push by design)."""
     busy = (" | generating during the push: " + ", ".join(f"{k} {v:.0%}" for k, v in st.busy_in_push.items())
-            if st.busy_in_push else "")
+            if st.busy_in_push and mode == "async" else "")
     note = f" | {st.error}" if st.error else ""
     print(f"step {st.step:>3}: reward {st.reward:.3f} | {st.samples} samples"
           f"{f' ({st.dropped} stale dropped)' if st.dropped else ''}"
@@ -52,7 +55,7 @@ def print_summary(stats: list[StepStats], idle: dict[str, float], first: float, 
         print("  engines idle (not generating) " + ", ".join(f"{k} {v:.0%}" for k, v in idle.items())
               + " of the run's wall time")
     pushes = [min(s.busy_in_push.values()) for s in stats if s.busy_in_push]
-    if pushes:
+    if pushes and mode == "async":
         print(f"  during pushes the engines generated {sum(pushes) / len(pushes):.0%} of the time "
               f"(mean over pushes of the least busy engine)")
     busy = [min(s.busy_in_push.values()) for s in stats if s.busy_in_push and s.rollouts_in_push]
