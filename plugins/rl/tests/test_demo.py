@@ -35,10 +35,16 @@ def test_demo_main_job_is_an_rl_run_whose_reward_rises(tmp_path):
 def test_demo_fails_when_the_pushes_never_reach_the_engines(tmp_path):
     """The control run: the same loop without pushes keeps sampling the first weights; the
     reward does not rise and the demo exits 1 saying so (judged: 20 steps)."""
+    import os
     out = subprocess.run([sys.executable, "-m", "weightsync", "demo", "--no-push", "--steps", "20",
                           "--plot", str(tmp_path / "p.png")],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    # a run that failed keeps its directory: the engines' logs say why
+    (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith("weightsync-demo-")]
+    assert f"kept the run's directory, with the engines' logs: {kept}" in out.stdout
+    assert (kept / "engine-a.log").stat().st_size > 0
     assert "the reward did not rise by 0.15" in out.stdout
     assert out.stdout.splitlines()[-1] == "demo: FAILED"
 

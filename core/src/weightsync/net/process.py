@@ -15,7 +15,17 @@ from typing import IO, Callable
 
 import requests
 
-__all__ = ["ServerProcess", "group_alive"]
+__all__ = ["START_STALL_ENV", "START_TIMEOUT_ENV", "ServerProcess", "group_alive", "start_limits"]
+
+START_TIMEOUT_ENV = "WEIGHTSYNC_START_TIMEOUT"   # seconds an engine's start may take in all
+START_STALL_ENV = "WEIGHTSYNC_START_STALL"       # seconds its log may stay silent meanwhile
+
+
+def start_limits(timeout: float, stall: float) -> tuple[float, float]:
+    """An engine start's (timeout, stall): the environment's where set, so a user on a slow or
+    loaded machine raises them without a code change, else the launcher's defaults."""
+    return (float(os.environ.get(START_TIMEOUT_ENV) or timeout),
+            float(os.environ.get(START_STALL_ENV) or stall))
 
 
 class ServerProcess:
@@ -40,15 +50,31 @@ class ServerProcess:
                                      preexec_fn=preexec_fn, start_new_session=True)
         self._stopped = False
 
-    def _see_log(self) -> str:
-        return f"; see {self.log}" if self.log else ""
+    def _see_log(self, lines: int = 12) -> str:
+        """Where the child's log is (kept), and its last lines: what a failed start says."""
+        if self.log is None:
+            return ""
+        try:
+            tail = Path(self.log).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            tail = []
+        return f"; see {self.log}" + ("; it ends:\n    " + "\n    ".join(tail) if tail else "")
+
+    def _log_size(self) -> int:
+        try:
+            return Path(self.log).stat().st_size if self.log is not None else 0
+        except OSError:
+            return 0
 
     def wait_healthy(self, url: str, timeout: float, verify: bool | str = True,
-                     poll: float = 0.1) -> None:
-        """Until GET `url` answers 200; a child that exits or a timeout stops it and raises."""
+                     poll: float = 0.1, stall: float | None = None) -> None:
+        """Until GET `url` answers 200; a child that exits or a timeout stops it and raises.
+        With `stall` (and a log) the wait also ends when the child's log has not grown for
+        `stall` seconds: a start that still makes progress may take up to `timeout`."""
         assert self.proc is not None, "launch() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        start = moved = time.monotonic()
+        size = self._log_size()
+        while time.monotonic() < start + timeout:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
@@ -56,6 +82,15 @@ class ServerProcess:
             with contextlib.suppress(requests.RequestException):
                 if requests.get(url, timeout=max(1.0, poll * 10), verify=verify).status_code == 200:
                     return
+            if stall is not None and self.log is not None:
+                now, grown = time.monotonic(), self._log_size()
+                if grown != size:
+                    size, moved = grown, now
+                elif now - moved >= stall:
+                    self.stop()
+                    raise TimeoutError(f"{self.name} made no progress for {stall:g}s (its log did "
+                                       f"not grow; {now - start:.0f}s since start) and did not "
+                                       f"answer {url}{self._see_log()}")
             time.sleep(poll)
         self.stop()
         raise TimeoutError(f"{self.name} did not answer {url} within {timeout:g}s{self._see_log()}")

@@ -28,7 +28,10 @@ class ReferenceLauncher(Launcher):
     @classmethod
     def launch_local(cls, model_dir: Path, workdir: Path, name: str,
                      extra_args: list[str] | None = None) -> LocalEngine:
+        from weightsync.net.process import start_limits
         from weightsync_reference.processes import EngineProcess
+        timeout, stall = start_limits(300.0, 120.0)     # the environment's, where set
         e = EngineProcess(model_dir, name=name, log=Path(workdir) / f"{name}.log",
-                          extra_args=extra_args or []).start(timeout=120)
+                          extra_args=extra_args or []).launch()
+        e.server.wait_healthy(e.url + "/health", timeout, verify=e.verify, stall=stall)
         return LocalEngine(e.spec(), e.stop)

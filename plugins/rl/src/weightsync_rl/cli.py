@@ -50,7 +50,11 @@ def _route(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import os
+    from weightsync.net.process import START_TIMEOUT_ENV
     from weightsync_rl.demo import run_demo
+    if args.start_timeout is not None:
+        os.environ[START_TIMEOUT_ENV] = str(args.start_timeout)
     return run_demo(engine=args.engine, steps=args.steps, workdir=args.workdir,
                     mode="async" if args.async_ else "sync", push=not args.no_push,
                     plot_path=args.plot, metrics_path=args.metrics, tensorboard=args.tensorboard,
@@ -76,7 +80,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "TensorBoard in DIR (pip install 'weightsync-rl[tensorboard]')")
     sp.add_argument("--wandb", default=None, metavar="PROJECT", help="also log each step to this "
                     "Weights & Biases project (pip install 'weightsync-rl[wandb]')")
-    sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    sp.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, "
+                    "removed after a run that passed, kept with the engines' logs otherwise)")
+    sp.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
+                    help="how long an engine's start may take while its log grows (sets "
+                    "$WEIGHTSYNC_START_TIMEOUT; default: the launcher's, 1200 s for vLLM; a "
+                    "start whose log stays silent for $WEIGHTSYNC_START_STALL s fails sooner)")
     sp.set_defaults(fn=_demo)
 
     sp = sub.add_parser("route", help="serve generation for a whole fleet at one URL: requests "

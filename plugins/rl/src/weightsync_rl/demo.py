@@ -56,12 +56,17 @@ def run_demo(engine: str = "reference", steps: int = 40, workdir: str | None = N
     print(f"metrics: a JSON line per step in {jsonl}"
           + (f", TensorBoard in {tensorboard}" if tensorboard else "")
           + (f", wandb project {wandb}" if wandb else ""), flush=True)
+    ok = False
     try:
-        return _run(engine, steps, work, mode, push, png, log)
+        ok = _run(engine, steps, work, mode, push, png, log)
     finally:
         log.close()
-        if workdir is None:
+        if workdir is None and ok:
             shutil.rmtree(work, ignore_errors=True)
+        elif workdir is None:               # the engines' logs say why: kept
+            print(f"kept the run's directory, with the engines' logs: {work}")
+    print("demo: OK" if ok else "demo: FAILED")
+    return 0 if ok else 1
 
 
 def build_demo_model(model_dir: Path) -> torch.nn.Module:
@@ -80,7 +85,7 @@ def _setup(model_dir: Path) -> tuple[Any, Any]:
 
 
 def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path,
-         log: MetricsLog) -> int:
+         log: MetricsLog) -> bool:
     from weightsync import WeightSync
     from weightsync.plugins import load_components
     from weightsync_rl.loop import RLLoop
@@ -162,8 +167,7 @@ def _run(engine: str, steps: int, work: Path, mode: str, push: bool, png: Path,
               f"not judged: a run of at least {JUDGED_FROM} steps must raise it by {MARGIN}")
     elif not rose:
         print(f"the reward did not rise by {MARGIN}: {first:.3f} -> {last:.3f}")
-    print("demo: OK" if ok else "demo: FAILED")
-    return 0 if ok else 1
+    return ok
 
 
 def _busy(sync: Any, components: Any) -> dict[str, float]:

@@ -20,7 +20,7 @@ from typing import Any
 import requests
 from weightsync.errors import ConfigError
 from weightsync.interfaces import Launcher, LocalEngine
-from weightsync.net.process import ServerProcess
+from weightsync.net.process import ServerProcess, start_limits
 from weightsync.net.server import free_port
 
 from .generation import LOGPROBS_ARGS
@@ -140,11 +140,17 @@ class VllmServer:
             cmd += ["--api-key", self.api_key]
         return cmd + self.extra_args
 
-    def start(self, timeout: float = 240.0) -> VllmServer:
+    def start(self, timeout: float | None = None, stall: float | None = None) -> VllmServer:
+        """Launch and wait for /health while the server makes progress: it fails when its log has
+        not grown for `stall` seconds, or at `timeout` (defaults: $WEIGHTSYNC_START_STALL or 180,
+        $WEIGHTSYNC_START_TIMEOUT or 1200: a first start on a loaded 2-core machine takes
+        minutes). A failed start keeps the log and names it with its last lines."""
         env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **self.env}
         self.server.launch(self.command(), env)
-        self.server.wait_healthy(self.url + "/health", timeout, poll=0.5)
+        limit, silent = start_limits(1200.0, 180.0)
+        self.server.wait_healthy(self.url + "/health", timeout or limit, poll=0.5,
+                                 stall=stall or silent)
         return self
 
     @property
