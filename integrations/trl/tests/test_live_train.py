@@ -136,6 +136,10 @@ def _train(pair: Any, out: Path, kind: str) -> tuple[Any, list[int], LastStep]:
     reports = installed.sessions[-1].reports
     for r in reports:
         assert r.ok and r.verified and sorted(r.engines) == ["vllm-a", "vllm-b"], r.summary()
+        # the probe ran on TRL's own policy model: both servers compute what the trainer does
+        assert r.probe == "2 engines probed with 24 tokens", r.probe
+        assert all(o.probe["version"] == r.version and o.probe["max"] < 1e-3
+                   for o in r.engines.values()), r.summary()
     return trainer, [r.version for r in reports], last
 
 

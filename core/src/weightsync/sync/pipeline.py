@@ -71,6 +71,7 @@ class WeightSync:
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ws-ctl")
         self._catch_up: Encoding | None = None
         self._last_members: set[str] | None = None
+        self._probe_model: Any = None         # this push's: what the probe runs (`probe_with`)
         from weightsync.sync.metrics import Metrics
         from weightsync.wire.signing import load_key
         self._key = load_key(None, self.settings.hmac_key_file)
@@ -168,9 +169,13 @@ class WeightSync:
         return out
 
     # -- the sync ----------------------------------------------------------------------------
-    def push(self, model: Any, version: int, *, name_map: NameMap | None = None) -> SyncReport:
+    def push(self, model: Any, version: int, *, name_map: NameMap | None = None,
+             probe_with: Any = None) -> SyncReport:
         """Send `model` to every engine as weight version `version`; verify; return the report.
-        Raises SyncError (with `.report`) when an engine did not end at `version`."""
+        Raises SyncError (with `.report`) when an engine did not end at `version`. `probe_with`:
+        the causal LM the probe runs when `model` is not one (a state dict or tensors taken from
+        it, as the integrations push)."""
+        self._probe_model = probe_with if probe_with is not None else model
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"version {version} is not newer than the last pushed version "
                              f"{self.last_version}; versions must grow with every sync")
@@ -181,7 +186,7 @@ class WeightSync:
                 for _ in self.exporter.buckets(model, name_map=name_map):
                     pass
             if share_int(None):               # rank 0 probes: a sharded forward needs every rank
-                join_probe(model, self.settings.probe)
+                join_probe(self._probe_model, self.settings.probe)
             report = _share_report(None)
             if any(o.ok for o in report.engines.values()) or report.published:
                 self.last_version = version
@@ -312,7 +317,7 @@ class WeightSync:
         finally:
             renewer.close()
         with clock.timed("probe"):
-            run_probe(model, version, live, report, self.settings.probe, calls.each,
+            run_probe(self._probe_model, version, live, report, self.settings.probe, calls.each,
                       lambda: self._join_probe(model, name_map))
         if any(o.ok for o in report.engines.values()):
             self.last_version = version

@@ -135,7 +135,8 @@ class SyncSession:
                 raise ValueError("no tensors to sync: TRL's iterator yielded nothing")
             sync = self.open()
             try:
-                report = sync.push(tensors, version=self.next_version())
+                report = sync.push(tensors, version=self.next_version(),
+                                   probe_with=self._policy())
             except SyncError as e:       # no engine took it: keep its report, then raise
                 if isinstance(e.report, SyncReport):
                     self.reports.append(e.report)
@@ -152,6 +153,16 @@ class SyncSession:
             if self.on_report is not None:
                 self.on_report(report)
             return report
+
+    def _policy(self) -> Any:
+        """The trainer's model for the probe (it scores the probe sequence and compares with each
+        engine), where this process alone can run it: a single-process trainer. In a multi-process
+        one the model's forward is a collective the other processes are not in (they do not push)."""
+        trainer = self.trainer
+        if trainer is None or distributed():
+            return None
+        acc = getattr(trainer, "accelerator", None)
+        return acc.unwrap_model(trainer.model) if acc is not None else trainer.model
 
     def _log(self, report: SyncReport) -> None:
         """Append the push's scalars to the trainer's `_metrics` (TRL averages them into its next
