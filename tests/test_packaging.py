@@ -34,6 +34,7 @@ DISTS = {                                   # distribution -> its directory in t
     "weightsync-rl": "plugins/rl",
     "weightsync-reference": "plugins/reference",
     "weightsync-megatron": "plugins/megatron",
+    "weightsync-nixl": "plugins/nixl",
 }
 PACKAGES = {dist: "weightsync" if dist == "weightsync-core" else dist.replace("-", "_")
             for dist in DISTS}
@@ -54,6 +55,7 @@ UNDECLARED_OK = {
 }
 # requirements a distribution needs at run time without importing them, and why
 USED_UNIMPORTED = {
+    "weightsync-nixl": {"nixl": "imported by name on first use (weightsync_nixl.loader)"},
     "weightsync-rl": {
         "weightsync-reference": "the demo's default engine, started by its adapter kind, never imported",
     },
@@ -333,6 +335,7 @@ PLUGIN_COMPONENTS = {
     "weightsync-rl": ("rl", set()),
     "weightsync-reference": ("reference", {"adapter:reference"}),
     "weightsync-megatron": ("megatron", {"exporter:megatron"}),
+    "weightsync-nixl": ("nixl", {"transport:nixl", "peer_source:nixl"}),
 }
 
 

@@ -258,7 +258,8 @@ DIST_DIRS = {"weightsync-core": "core", "weightsync-disk-delta": "plugins/disk_d
              "weightsync-sglang": "plugins/sglang", "weightsync-vllm": "plugins/vllm",
              "weightsync-lmdeploy": "plugins/lmdeploy", "weightsync-bench": "plugins/bench",
              "weightsync-ray": "plugins/ray", "weightsync-rl": "plugins/rl",
-             "weightsync-reference": "plugins/reference"}
+             "weightsync-reference": "plugins/reference", "weightsync-megatron": "plugins/megatron",
+             "weightsync-nixl": "plugins/nixl"}
 
 
 def test_readme_extras_table_matches_the_pyprojects() -> None:
