@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.wire.bucket import Bucket
+from weightsync.wire.bucket import Bucket, pack
 from weightsync.config import ByteSize
 from weightsync.interfaces import Exporter, NameMap
 from weightsync.exporters import layout, lora
@@ -170,20 +170,4 @@ class TorchExporter(Exporter):
             yield from (name_map(name, t) if name_map else ((name, t),))
 
     def buckets(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
-        limit = self.options.bucket_bytes
-        current: list[tuple[str, torch.Tensor]] = []
-        size = index = 0
-        names: set[str] = set()
-        for name, t in self._mapped(model, name_map):
-            if name in names:
-                raise ValueError(f"two tensors map to the name {name!r}; fix the name map")
-            names.add(name)
-            n = t.numel() * t.element_size()
-            if current and size + n > limit:
-                yield Bucket(index, current)   # a tensor follows, so this one is not the last
-                index += 1
-                current, size = [], 0
-            current.append((name, t))
-            size += n
-        if current:
-            yield Bucket(index, current, last=True)
+        return pack(self._mapped(model, name_map), self.options.bucket_bytes)

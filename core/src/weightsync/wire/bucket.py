@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -12,8 +12,8 @@ import xxhash
 from weightsync.wire.pool import map_threads
 
 __all__ = ["Bucket", "DIGEST_ALGOS", "DTYPES", "TensorSpec", "combine_digests", "digest_algo",
-           "digest_tensors", "dtype_from_name", "dtype_name", "tensor_bytes", "tensor_digest",
-           "tensor_hasher", "tensor_header"]
+           "digest_tensors", "dtype_from_name", "dtype_name", "pack", "tensor_bytes",
+           "tensor_digest", "tensor_hasher", "tensor_header"]
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (
     "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
@@ -161,3 +161,25 @@ class Bucket:
 
     def with_tensors(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Bucket:
         return Bucket(self.index, list(tensors), self.last)
+
+
+def pack(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[Bucket]:
+    """Named tensors as Buckets of at most `limit` bytes, in order (a tensor larger than `limit`
+    travels alone), the last one marked; a name seen twice is refused (an exporter's name map
+    that sends two tensors under one name)."""
+    current: list[tuple[str, torch.Tensor]] = []
+    size = index = 0
+    names: set[str] = set()
+    for name, t in named:
+        if name in names:
+            raise ValueError(f"two tensors map to the name {name!r}; fix the name map")
+        names.add(name)
+        n = t.numel() * t.element_size()
+        if current and size + n > limit:
+            yield Bucket(index, current)   # a tensor follows, so this one is not the last
+            index += 1
+            current, size = [], 0
+        current.append((name, t))
+        size += n
+    if current:
+        yield Bucket(index, current, last=True)

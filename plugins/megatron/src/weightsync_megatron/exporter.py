@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weightsync import Bucket, Exporter
+from weightsync.wire.bucket import pack
 from weightsync.config import ByteSize
 from weightsync.interfaces import NameMap
 
@@ -82,17 +83,6 @@ class MegatronExporter(Exporter):
         yield from stream(plan)
 
     def buckets(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
-        limit = self.options.bucket_bytes
-        current: list[tuple[str, torch.Tensor]] = []
-        size = index = 0
-        for hf_name, tensor in self.named_tensors(model):
-            for name, t in (name_map(hf_name, tensor) if name_map else ((hf_name, tensor),)):
-                n = t.numel() * t.element_size()
-                if current and size + n > limit:
-                    yield Bucket(index, current)
-                    index += 1
-                    current, size = [], 0
-                current.append((name, t))
-                size += n
-        if current:
-            yield Bucket(index, current, last=True)
+        named = ((name, t) for hf_name, tensor in self.named_tensors(model)
+                 for name, t in (name_map(hf_name, tensor) if name_map else ((hf_name, tensor),)))
+        return pack(named, self.options.bucket_bytes)
