@@ -30,18 +30,14 @@ RANK = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
     from weightsync import SyncError, WeightSync
-    from weightsync_reference.models import fill_deterministic, tiny_config
 
-    engines = json.loads(sys.argv[1])
+    engines, model_dir = json.loads(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab=128))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (2,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    fill_deterministic(model, seed=5)
     for version, spec in enumerate(engines, 1):
         cfg = {"engines": [spec], "sync": {"progress": "off"},
                "exporter": {"kind": "torch", "options": {"bucket_bytes": "64KiB"}}}
@@ -71,7 +67,8 @@ def test_an_fsdp2_trainers_push_is_probed_by_every_rank(tmp_path: Path) -> None:
         script.write_text(RANK)
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([sys.executable, str(script), json.dumps([good.spec(), faulty.spec()])],
+        procs = [subprocess.Popen([sys.executable, str(script), json.dumps([good.spec(), faulty.spec()]),
+                                   str(model_dir)],
                                   env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for r in range(2)]
         outs = [p.communicate(timeout=300) for p in procs]

@@ -89,12 +89,14 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
         return
     ids = probe_ids(vocab, settings.length, settings.seed)
     tolerance = settings.tolerance or tolerance_for(model)
-    join()
-    mine = trainer_logprobs(model, ids)
     targets = [a for a in adapters
                if isinstance(a, Scores) and (seen := report.engines.get(a.engine_name)) is not None
                and seen.ok and seen.version == version]
     answers, fails = each(targets, lambda a: cast(Scores, a).score(ids))
+    mine: list[float] = []
+    if answers:          # the trainer's forward only when an engine scored (a sharded one is a
+        join()           # collective every rank joins: not run for weights-only engines)
+        mine = trainer_logprobs(model, ids)
     unprobed: list[str] = []
     for a in targets:
         o = report.engines[a.engine_name]
