@@ -55,8 +55,10 @@ UNDECLARED_OK = {
 }
 # requirements a distribution needs at run time without importing them, and why
 USED_UNIMPORTED = {
-    "weightsync-nixl": {"nixl": "imported by name on first use (weightsync_nixl.loader)"},
+    "weightsync-nixl": {"nixl": "imported by name on first use (weightsync_nixl.loader)",
+                        "weightsync-reference": "its tests start reference engines by command"},
     "weightsync-rl": {
+        "tensorboard": "torch.utils.tensorboard imports it (weightsync_rl.metrics)",
         "weightsync-reference": "the demo's default engine, started by its adapter kind, never imported",
     },
 }

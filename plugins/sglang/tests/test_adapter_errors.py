@@ -89,8 +89,8 @@ def test_delta_encoding_is_refused() -> None:
 
 def test_unknown_pause_mode_and_option_are_refused() -> None:
     cfg = {"adapter": "sglang", "transport": "collective", "engines": [{"url": "http://127.0.0.1:30000"}],
-           "sync": {"pause_mode": "keep"}}
-    with pytest.raises(ConfigError, match="pause_mode 'keep' is not supported by adapter 'sglang'"):
+           "sync": {"pause_mode": "wait"}}
+    with pytest.raises(ConfigError, match="pause_mode 'wait' is not supported by adapter 'sglang'"):
         WeightSync.from_config(cfg)
     cfg = {"adapter": {"kind": "sglang", "options": {"tp": 2}}, "transport": "collective",
            "engines": [{"url": "http://127.0.0.1:30000"}]}
