@@ -66,7 +66,10 @@ def join_probe(model: Any, settings: ProbeSettings) -> None:
     """A follower rank's part of the probe: the same forward pass as rank 0's, on the same ids."""
     vocab = vocab_of(model) if isinstance(model, torch.nn.Module) else None
     if vocab is not None:
-        trainer_logprobs(model, probe_ids(vocab, settings.length, settings.seed))
+        try:
+            trainer_logprobs(model, probe_ids(vocab, settings.length, settings.seed))
+        except Exception as e:  # noqa: BLE001 - rank 0 fails the same way and reports it
+            log.warning("the probe's forward pass failed on this rank: %s", e)
 
 
 def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncReport,
@@ -96,7 +99,15 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
     mine: list[float] = []
     if answers:          # the trainer's forward only when an engine scored (a sharded one is a
         join()           # collective every rank joins: not run for weights-only engines)
-        mine = trainer_logprobs(model, ids)
+        try:
+            mine = trainer_logprobs(model, ids)
+        except Exception as e:  # noqa: BLE001 - a model that needs its framework's own inputs
+            why = f"the trainer's model could not score the probe plainly ({type(e).__name__}: {e})"
+            report.probe = f"skipped: {why}"[:500]
+            if settings.mode == "on":
+                for a in targets:
+                    report.engines[a.engine_name].fail("probe", f"probe: on, but {why}")
+            return
     unprobed: list[str] = []
     for a in targets:
         o = report.engines[a.engine_name]
