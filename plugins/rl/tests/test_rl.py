@@ -176,25 +176,27 @@ def test_the_router_holds_against_callers(pair: list[EngineProcess]) -> None:
         assert len(rc.sample([[4, 5]] * 2, {"max_new_tokens": 2}, wait=5)) == 2
 
 
-def _tokens(url: str) -> int:
-    return int(requests.get(url + "/info", timeout=10).json()["generated_tokens"])
+def _hold_after_first_tokens(url: str) -> None:
+    """Arm a hold (a "keep" pause) that the engine takes itself between two decoding steps once
+    5 more tokens exist: a push then lands inside that generation at a known token, whatever the
+    machine's speed; the push's resume lets it go on."""
+    requests.post(url + "/pause", json={"mode": "keep", "after_tokens": 5},
+                  timeout=10).raise_for_status()
 
 
-def _hold_after_first_tokens(url: str, base: int) -> None:
-    """Hold the engine (a "keep" pause) once it generated 5 tokens past `base`: a push then lands
-    inside that generation whatever the machine's speed; the push's resume lets it go on."""
+def _wait_held(url: str) -> None:
     from weightsync.testing.waiting import wait_for
-    wait_for(lambda: _tokens(url) >= base + 5, 60, "the generation's first tokens")
-    requests.post(url + "/pause", json={"mode": "keep"}, timeout=10).raise_for_status()
+    wait_for(lambda: requests.get(url + "/health", timeout=10).json()["paused"] == "keep", 120,
+             "the engine holding the generation after its first tokens")
 
 
 def _held_mid_generation(eng: EngineProcess, client: RolloutClient, params: SamplingParams,
                          got: dict[str, Any], key: str, **kw: Any) -> threading.Thread:
-    """Start a generation and hold it once it has a few tokens."""
-    base = _tokens(eng.url)
+    """Start a generation and return once the engine holds it after its first tokens."""
+    _hold_after_first_tokens(eng.url)
     th = threading.Thread(target=lambda: got.update({key: client.sample([[1, 2]], params, **kw)}))
     th.start()
-    _hold_after_first_tokens(eng.url, base)
+    _wait_held(eng.url)
     return th
 
 
@@ -256,10 +258,8 @@ def test_a_client_refuses_a_sample_that_spans_a_swap_and_generates_it_again(
 
 
 class _HoldSecondRollouts:
-    """The loop's sampler, which holds the engine (a "keep" pause) once the second call's
-    generation has its first tokens: the next step's rollouts are then surely in flight when the
-    push of version 1 swaps the weights, whatever the machine's speed (the push's resume lets
-    them go on)."""
+    """The loop's sampler, which arms a hold before the second call: the engine holds the next
+    step's rollouts after their first tokens."""
 
     def __init__(self, sample: Any, url: str) -> None:
         self.sample, self.url, self.calls = sample, url, 0
@@ -267,9 +267,24 @@ class _HoldSecondRollouts:
     def __call__(self, *a: Any, **kw: Any) -> Any:
         self.calls += 1
         if self.calls == 2:
-            threading.Thread(target=_hold_after_first_tokens, args=(self.url, _tokens(self.url)),
-                             daemon=True).start()
+            _hold_after_first_tokens(self.url)
         return self.sample(*a, **kw)
+
+
+class _PushWhenHeld:
+    """The loop's WeightSync, whose push of version 1 waits (bounded) for that hold: the swap
+    surely lands inside the second rollouts' generation (the push's resume lets them go on)."""
+
+    def __init__(self, sync: WeightSync, url: str) -> None:
+        self.sync, self.url = sync, url
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sync, name)
+
+    def push(self, *a: Any, **kw: Any) -> Any:
+        if kw.get("version") == 1:
+            _wait_held(self.url)
+        return self.sync.push(*a, **kw)
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -282,7 +297,8 @@ def test_the_async_loop_trains_on_samples_that_span_the_swap_or_regenerates_them
     try:
         cfg = {**SYNC, "engines": [eng.spec()], "sync": {"progress": "off", "pause_mode": "keep"}}
         with WeightSync.from_config(cfg) as sync, RolloutClient([eng.spec()]) as client:
-            loop = RLLoop(model, opt, sync, _HoldSecondRollouts(client.sample, eng.url),
+            loop = RLLoop(model, opt, _PushWhenHeld(sync, eng.url),
+                          _HoldSecondRollouts(client.sample, eng.url),
                           CountingTask(seed=3), SamplingParams(n=2, max_new_tokens=1000, seed=3),
                           prompts_per_step=1, mode="async", epochs=1, keep_mixed=keep)
             first, second = list(loop.run(steps=2))

@@ -5,7 +5,10 @@ pickle, which weightsync never loads from another process)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
+import logging
 import os
 import re
 import secrets
@@ -13,16 +16,18 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from weightsync.errors import ConfigError, PayloadError, TransportError
 from weightsync_nixl import loader
 
+log = logging.getLogger("weightsync_nixl")
 NAME_RE = re.compile(r"^ws-[a-z]{1,16}-[0-9]{1,10}-[0-9a-f]{8}$")
 MAX_REMOTES = 64
 POLL_MIN, POLL_MAX = 0.0005, 0.005      # seconds between polls of a transfer (never busy-poll)
+PUMP = 0.0002                            # seconds between progress calls while a transfer may run
 
 Desc = tuple[int, int, int]              # (address, length, device id)
 
@@ -54,12 +59,79 @@ class Agent:
     def __init__(self, role: str, backends: tuple[str, ...] = ("UCX",)) -> None:
         api = loader.load()
         self.name = f"ws-{role}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.nixl = api.nixl_agent(self.name, api.nixl_agent_config(backends=list(backends)))
+        # not NIXL's progress thread, which spins a core per agent for the process's life even
+        # when idle (UCX over TCP): `busy`/`hold` progress the worker only while a transfer runs
+        self.nixl = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False,
+                                                                    backends=list(backends)))
         self.lock = threading.RLock()
         self.remotes: OrderedDict[str, str] = OrderedDict()     # name -> metadata fingerprint
         self.notes: dict[str, set[bytes]] = {}                   # agent -> notifications unread
         self.notes_lock = threading.Lock()
         self._md: bytes | None = None
+        self._holds: dict[object, float] = {}     # why this agent progresses -> until when
+        self._held = threading.Condition()
+        self._pumping = False
+        self._keys = itertools.count()
+
+    # -- progress ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Progress this agent's worker while the block runs: over UCX/TCP a peer's READ of
+        memory here completes only while this side progresses too."""
+        key = next(self._keys)
+        self.hold(key, 3600.0)
+        try:
+            yield
+        finally:
+            self.release(key)
+
+    def hold(self, key: object, seconds: float) -> None:
+        """Progress for `key` for at most `seconds` (until `release(key)`)."""
+        with self._held:
+            self._holds[key] = time.monotonic() + seconds
+            if not self._pumping:
+                self._pumping = True
+                threading.Thread(target=self._pump_while_held, daemon=True,
+                                 name="ws-nixl-progress").start()
+
+    def release(self, key: object) -> None:
+        with self._held:
+            self._holds.pop(key, None)
+
+    def _pump_while_held(self) -> None:
+        """NIXL's own progress thread spins a core for the life of the process even when idle;
+        this one runs only while something holds the agent, and ends when nothing does."""
+        while True:
+            with self._held:
+                now = time.monotonic()
+                for k in [k for k, until in self._holds.items() if until <= now]:
+                    del self._holds[k]
+                if not self._holds:
+                    self._pumping = False
+                    return
+            try:
+                self.pump()
+            except Exception:  # noqa: BLE001 - a peer gone mid-transfer; its READ says so
+                log.debug("nixl: progress call failed", exc_info=True)
+            time.sleep(PUMP)
+
+    def pump(self) -> None:
+        """Progress the worker once; notifications that arrived are kept for `wait_notif`."""
+        with self.notes_lock:
+            with self.lock:
+                got = self.nixl.get_new_notifs()
+            for agent, msgs in got.items():
+                self.notes.setdefault(str(agent), set()).update(bytes(m) for m in msgs)
+
+    def take_notes(self, prefix: bytes) -> list[bytes]:
+        """Remove and return every unread notification that starts with `prefix`."""
+        out: list[bytes] = []
+        with self.notes_lock:
+            for msgs in self.notes.values():
+                mine = {m for m in msgs if m.startswith(prefix)}
+                msgs -= mine
+                out.extend(mine)
+        return out
 
     # -- memory ---------------------------------------------------------------------------
     def register(self, t: torch.Tensor) -> Region:
@@ -119,7 +191,11 @@ class Agent:
         """READ `remote` (peer's registered memory) into `local` (registered here), then NIXL
         tells `peer` with `notif`. Raises PayloadError naming `what` and `peer` when NIXL refuses
         the descriptors, the transfer fails, or it is not done by `deadline` (monotonic)."""
-        local = local.view(-1)
+        with self.busy():
+            self._read(local.view(-1), peer, remote, remote_mem, notif, deadline, what)
+
+    def _read(self, local: torch.Tensor, peer: str, remote: list[Desc], remote_mem: str,
+              notif: bytes, deadline: float, what: str) -> None:
         with self.lock:
             try:
                 lx = self.nixl.get_xfer_descs([(local.data_ptr(), local.numel(), device_id(local))],
@@ -145,7 +221,10 @@ class Agent:
                 time.sleep(wait)
                 wait = min(wait * 2, POLL_MAX)
                 with self.lock:
-                    state = self.nixl.check_xfer_state(handle)
+                    try:
+                        state = self.nixl.check_xfer_state(handle)
+                    except Exception as e:  # noqa: BLE001 - NIXL's own error types
+                        state = f"{type(e).__name__}: {e}"
             if state != "DONE":
                 raise PayloadError(f"nixl: {what}: the READ from agent {peer} failed (state "
                                    f"{state}): the peer died or deregistered that memory")
@@ -168,10 +247,8 @@ class Agent:
         """The agent that sent `message` (consumed), or None if none did by `deadline`."""
         wait = POLL_MIN
         while True:
+            self.pump()
             with self.notes_lock:
-                with self.lock:
-                    for agent, msgs in self.nixl.get_new_notifs().items():
-                        self.notes.setdefault(str(agent), set()).update(bytes(m) for m in msgs)
                 for agent, msgs in self.notes.items():
                     if message in msgs:
                         msgs.discard(message)

@@ -23,6 +23,7 @@ from weightsync_nixl.agent import Agent, Region, agent
 from weightsync_nixl.messages import b64
 
 SHARE_HEADER = "X-Weightsync-Share"
+READ_WINDOW = 300.0      # seconds this side progresses for one joiner's READs at most
 routes = Routes()
 
 
@@ -51,6 +52,7 @@ class PeerHost:
         self.offer: dict[str, Any] | None = None     # what a share's manifest call returns
         self.reads = 0                               # buckets joiners reported read
         self.retired: list[Region] = []              # deregistered, kept alive: a late READ
+        self.pending: dict[str, int] = {}            # share token -> buckets not yet read
         self._stop = threading.Event()
         threading.Thread(target=self._count, daemon=True, name="ws-nixl-peer-notes").start()
 
@@ -103,14 +105,27 @@ class PeerHost:
                 raise HttpError(409, "this peer serves no version now: ask the registry for a "
                                      "peer again")
             self.shares.check(token, self.version)
+            # the joiner READs now: this side progresses until it reported every bucket read
+            key = str(token)[:32]                    # as the joiner's notifications name it
+            self.pending[key] = len(self.offer["nixl"]["buckets"])
+            self.agent.hold(("share", key), READ_WINDOW)
             return self.offer
 
     def _count(self) -> None:
-        """Count the buckets joiners report read (`read:<token>:<index>` notifications)."""
+        """Count the buckets joiners report read (`read:<token>:<index>` notifications); a
+        joiner that read every bucket no longer needs this side to progress."""
         while not self._stop.wait(0.05):
-            with self.agent.lock:
-                notes = self.agent.nixl.get_new_notifs()
-            self.reads += sum(m.startswith(b"read:") for msgs in notes.values() for m in msgs)
+            self.agent.pump()
+            for m in self.agent.take_notes(b"read:"):
+                self.reads += 1
+                token = m.decode(errors="replace").split(":")[1]
+                with self.lock:
+                    left = self.pending.get(token)
+                    if left is not None:
+                        self.pending[token] = left - 1
+                        if left <= 1:
+                            del self.pending[token]
+                            self.agent.release(("share", token))
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "version": self.version, "reads": self.reads,

@@ -177,11 +177,12 @@ class NixlTransport(Transport):
         notif = f"ws:{self.token}:{buf.index}:{buf.generation}:{who}"
         wait = self.bounded(self.options.timeout)
         try:
-            adapter.deliver(NixlRead({**common, "notif": notif, "deadline": wait}, wait=wait + 5.0))
-            if common["descs"] and agent("trainer").wait_notif(
-                    notif.encode(), time.monotonic() + min(NOTIF_GRACE, wait)) is None:
-                raise TransportError(f"engine {adapter.engine_name} answered bucket {index}, but "
-                                     f"NIXL's notification that its READ completed never came")
+            with agent("trainer").busy():    # the engine's READ needs this side to progress
+                adapter.deliver(NixlRead({**common, "notif": notif, "deadline": wait}, wait=wait + 5.0))
+                if common["descs"] and agent("trainer").wait_notif(
+                        notif.encode(), time.monotonic() + min(NOTIF_GRACE, wait)) is None:
+                    raise TransportError(f"engine {adapter.engine_name} answered bucket {index}, but "
+                                         f"NIXL's notification that its READ completed never came")
         except BaseException as e:  # noqa: BLE001 - reported by send/finish for this engine
             with self.lock:
                 self.errors.setdefault(adapter.engine_name, e)

@@ -18,8 +18,9 @@ checked before bodies, bodies capped per route, connections capped and timed out
                                     logprob of each token after the first (the trainer's probe)
   POST /weightsync/distrust         {"version": v, "reason": r}: the probe failed on version v;
                                     gated generation is refused until a later commit
-  POST /pause                       {"mode": "abort"|"keep", "lease": s?}: with a lease the pause
-                                    ends by itself unless renewed
+  POST /pause                       {"mode": "abort"|"keep", "lease": s?, "after_tokens": n?}:
+                                    with a lease the pause ends by itself unless renewed; with
+                                    after_tokens a hold begins once n more tokens were generated
   POST /resume
   POST /weightsync/begin            {"version": v, "transport": {...}, "encoding": {...}, "lease": s}
                                     -> {"round": id, "version": v, "lease": s}; 409 while a round is open
@@ -168,7 +169,8 @@ def _explain(e: ValidationError) -> str:
 @routes.add("POST", "/pause")
 def _pause(h: Any, q: dict) -> Any:
     body = h.json_body()
-    h.engine.pause(str(body.get("mode", "abort")), body.get("lease"))
+    h.engine.pause(str(body.get("mode", "abort")), body.get("lease"),
+                   _int_or_none(body.get("after_tokens"), "after_tokens"))
     return {"status": "paused"}
 
 

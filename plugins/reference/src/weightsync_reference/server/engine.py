@@ -73,6 +73,7 @@ class ReferenceEngine(Generation):
         self.last_pause: str | None = None       # the mode of the latest pause (the swap's)
         self.pause_epoch = 0
         self.pause_expires: float | None = None  # a pause taken under a lease ends by itself
+        self.pause_at: tuple[str, int] | None = None  # a pause armed to begin at a token count
         self.round: OpenRound | None = None
         self.session_lock = threading.RLock()
         self.lapsed = 0                          # rounds and pauses ended by a lapsed lease
@@ -91,14 +92,23 @@ class ReferenceEngine(Generation):
         if watchdog:
             threading.Thread(target=self._watch, name="ws-lease-watchdog", daemon=True).start()
 
-    def pause(self, mode: str, lease: float | None = None) -> None:
+    def pause(self, mode: str, lease: float | None = None, after_tokens: int | None = None) -> None:
         """Pause generation; with `lease` the pause ends by itself unless renewed. "keep" holds
         running generations and, when the weights change before they go on, prefills them again
         with the new weights; "keep_stale_kv" goes on over the old weights' KV cache instead
-        (tokens of neither version: only when asked for); "abort" ends them."""
+        (tokens of neither version: only when asked for); "abort" ends them. `after_tokens` arms
+        a hold that begins between two decoding steps once that many more tokens were generated
+        (a swap lands inside a generation at a known token, whatever the machine's speed)."""
         if mode not in PAUSE_MODES:
             raise PayloadError(f"pause mode {mode!r} is not supported; use one of "
                                f"{', '.join(PAUSE_MODES)}")
+        if after_tokens is not None:
+            if mode == "abort" or self.sampler is None or after_tokens < 0:
+                raise PayloadError("after_tokens (a count >= 0) arms a hold, mode keep or "
+                                   "keep_stale_kv, on an engine that generates")
+            with self.state:
+                self.pause_at = (mode, self.sampler.tokens + after_tokens)
+            return
         with self.state:
             self.paused = self.last_pause = mode
             self.pause_epoch += 1
@@ -107,7 +117,7 @@ class ReferenceEngine(Generation):
 
     def resume(self) -> None:
         with self.state:
-            self.paused = None
+            self.paused = self.pause_at = None
             self.pause_expires = None
             self.state.notify_all()
 

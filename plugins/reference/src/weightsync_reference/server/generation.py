@@ -38,6 +38,8 @@ class Generation:
     state: Any
     paused: str | None
     pause_epoch: int
+    pause_at: tuple[str, int] | None
+    last_pause: str | None
     model_lock: Any
     sampler: Any
     distrusted: dict[str, Any] | None
@@ -104,6 +106,10 @@ class Generation:
             with self.state:
                 if k == 0:
                     epoch[0] = self.pause_epoch
+                armed = self.pause_at
+                if armed is not None and self.sampler is not None and self.sampler.tokens >= armed[1]:
+                    self.pause_at, self.paused = None, armed[0]
+                    self.last_pause = armed[0]
                 while self.paused in ("keep", "keep_stale_kv"):
                     self.state.wait()
                 if self.paused == "abort" or (self.pause_epoch != epoch[0] and self.paused is not None):
