@@ -33,7 +33,8 @@ GROUPS = {
                "tests/test_tutorial.py", "plugins/vllm/tests/", "integrations/trl/tests/",
                "tests/test_fleet.py", "tests/test_fleet_registry.py", "tests/test_protocol.py",
                "tests/test_catch_up.py", "core/tests/test_transport_shm.py",
-               "plugins/disk_delta/tests/test_crash.py", "plugins/disk_delta/tests/test_agent_loop.py"],
+               "plugins/disk_delta/tests/test_crash.py", "plugins/disk_delta/tests/test_agent_loop.py",
+               "plugins/nixl/tests/test_vllm.py"],
 }
 
 

