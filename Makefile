@@ -69,12 +69,12 @@ $(TRL_STAMP): $(VLLM_STAMP) integrations/trl/pyproject.toml
 
 verl-env: $(VERL_STAMP)
 
-$(VERL_STAMP): core/pyproject.toml integrations/verl/pyproject.toml
+$(VERL_STAMP): core/pyproject.toml plugins/reference/pyproject.toml integrations/verl/pyproject.toml
 	test -x $(VERL_BIN)/python || $(PY) -m venv $(VERL_VENV)
 	$(call SAY,verl 0.9.1 in $(VERL_VENV) (about 5-20 min: downloads and unpacking))
 	$(VERL_BIN)/python $(PIP) torch==2.13.0
 	$(VERL_BIN)/python $(PIP) verl==0.9.1 "pytest>=8" \
-	    -e ./core -e ./integrations/verl
+	    -e ./core -e ./plugins/reference -e ./integrations/verl
 	$(VERL_BIN)/python -c "import torch, verl.checkpoint_engine, weightsync_verl; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 

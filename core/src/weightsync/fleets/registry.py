@@ -15,6 +15,8 @@ from weightsync.net.keys import resolve_key
 from weightsync.interfaces import Fleet, Member
 from weightsync.fleets.client import RegistryClient
 
+__all__ = ["RegistryFleet", "RegistryOptions"]
+
 
 class RegistryOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -7,7 +7,7 @@ from __future__ import annotations
 __version__ = "0.2.0"   # the one source: hatch reads it for the distribution's version
 
 from .engine import WeightSyncCheckpointEngine
-from .publisher import Publisher, RoundResult
-from .subscriber import Subscriber
+from .replica import Replica
+from .trainer import Trainer
 
-__all__ = ["Publisher", "RoundResult", "Subscriber", "WeightSyncCheckpointEngine"]
+__all__ = ["Replica", "Trainer", "WeightSyncCheckpointEngine"]
