@@ -1,22 +1,31 @@
 """What the Ray tests and `examples/ray/train.py` train: a tiny policy under Hugging Face-style
-names, its FSDP2 sharding and an AdamW step, plus a fault to inject into a rank. They live in the
-package because Ray actors import them by name on other nodes (a test module is not importable
-there)."""
+names, its FSDP2 sharding and an AdamW step; a tiny Llama causal LM (`CAUSAL_POLICY`) for the
+tests the probe must run in; a fault to inject into a rank and a count of its probe passes. They
+live in the package because Ray actors import them by name on other nodes (a test module is not
+importable there)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB, HIDDEN, LAYERS = 128, 32, 2
 POLICY = {"model": "weightsync_ray.testing:build_policy",
           "step": "weightsync_ray.testing:train_step",
           "shard": "weightsync_ray.testing:shard_policy"}
 """`RayTrainer(..., **POLICY)`: the tiny policy, its AdamW step and its FSDP2 sharding."""
+CAUSAL_POLICY = {"model": "weightsync_ray.testing:build_causal_policy",
+                 "step": "weightsync_ray.testing:causal_train_step",
+                 "shard": "weightsync_ray.testing:shard_policy"}
+"""`RayTrainer(..., **CAUSAL_POLICY)`: a tiny transformers Llama (a causal LM, so the probe runs
+on every push), its AdamW step on the LM loss and the same FSDP2 sharding (per decoder layer)."""
 
 
 class Block(nn.Module):
@@ -55,27 +64,93 @@ def build_policy(seed: int = 0) -> TinyPolicy:
     return TinyPolicy()
 
 
-def shard_policy(model: TinyPolicy, mesh: Any) -> None:
-    """FSDP2: each block a unit of its own, then the root."""
+def shard_policy(model: Any, mesh: Any) -> None:
+    """FSDP2: each block (decoder layer) a unit of its own, then the root: `model.model.layers`
+    is where both policies keep them."""
     from torch.distributed.fsdp import fully_shard
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
-def train_step(model: nn.Module, version: int, state: dict[str, Any]) -> float:
-    """One AdamW step on a batch drawn from `version` (the same batch on every rank)."""
+def _batch(model: nn.Module, version: int) -> torch.Tensor:
+    """Token ids drawn from `version`: the same batch on every rank."""
+    g = torch.Generator().manual_seed(version)
+    return torch.randint(0, VOCAB, (4, 16), generator=g).to(next(model.parameters()).device)
+
+
+def _adamw(model: nn.Module, state: dict[str, Any], loss: torch.Tensor) -> float:
+    """One AdamW step on `loss`; the optimizer lives in the rank's `state` across versions."""
     if "opt" not in state:
         state["opt"] = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(version)
-    device = next(model.parameters()).device
-    ids = torch.randint(0, VOCAB, (4, 16), generator=g).to(device)
-    logits = model(ids[:, :-1])
-    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
     state["opt"].step()
     state["opt"].zero_grad(set_to_none=True)
     return float(loss.detach().cpu())
+
+
+def train_step(model: nn.Module, version: int, state: dict[str, Any]) -> float:
+    """One AdamW step on a batch drawn from `version` (the same batch on every rank)."""
+    ids = _batch(model, version)
+    logits = model(ids[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    return _adamw(model, state, loss)
+
+
+# -- a causal LM: what the probe scores --------------------------------------------------------
+
+def causal_config() -> LlamaConfig:
+    """A tiny Llama (float32, untied head): small enough for CPU ranks, real enough that the
+    reference engine loads it with transformers and answers `/score`."""
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=2 * HIDDEN, intermediate_size=4 * HIDDEN,
+                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
+    cfg.dtype = "float32"
+    return cfg
+
+
+def build_causal_policy(seed: int = 0) -> LlamaForCausalLM:
+    """The causal policy as it starts (version 0): the same weights for a seed in every process,
+    so the ranks and `write_causal_checkpoint` agree."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(causal_config()).float()
+
+
+def causal_train_step(model: Any, version: int, state: dict[str, Any]) -> float:
+    """One AdamW step on the next-token loss of a batch drawn from `version`."""
+    ids = _batch(model, version)
+    return _adamw(model, state, model(input_ids=ids, labels=ids).loss)
+
+
+def write_causal_checkpoint(path: str | Path, seed: int = 0) -> Path:
+    """The causal policy at version 0 as a Hugging Face model directory (config.json and
+    safetensors): what the reference engine loads as a model it can run and score with."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_causal_policy(seed).save_pretrained(path)
+    return path
+
+
+def count_eval_forwards(worker: Any) -> None:
+    """Through `rank_actor.__ray_call__`: count, in `worker.state["eval_forwards"]`, the forward
+    passes this rank's model runs in eval mode. Training runs in train mode, so these are the
+    probe's: a follower's count shows it joined the sharded forward rank 0 compares with."""
+    worker.state["eval_forwards"] = 0
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if not module.training:
+            worker.state["eval_forwards"] += 1
+    worker.model.register_forward_hook(hook)
+
+
+def eval_forwards(worker: Any) -> int:
+    """Through `rank_actor.__ray_call__`: the count `count_eval_forwards` keeps."""
+    return int(worker.state.get("eval_forwards", -1))
 
 
 def write_initial_checkpoint(path: str | Path, seed: int = 0) -> Path:
