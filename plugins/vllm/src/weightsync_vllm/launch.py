@@ -107,6 +107,7 @@ class VllmServer:
                  name: str | None = None) -> None:
         self.model_dir = str(Path(model_dir).resolve())
         self.port = port or free_port()
+        self.port_chosen = port is None      # ours: another one is taken if it is gone at bind
         self.api_key = api_key
         self.weight_transfer = weight_transfer
         self.log = log
@@ -144,13 +145,22 @@ class VllmServer:
         """Launch and wait for /health while the server makes progress: it fails when its log has
         not grown for `stall` seconds, or at `timeout` (defaults: $WEIGHTSYNC_START_STALL or 180,
         $WEIGHTSYNC_START_TIMEOUT or 1200: a first start on a loaded 2-core machine takes
-        minutes). A failed start keeps the log and names it with its last lines."""
+        minutes). A failed start keeps the log and names it with its last lines. A port this
+        server chose itself that another process took before vLLM bound it (vLLM binds after its
+        model loaded, a minute later) is replaced by another, twice at most."""
         env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **self.env}
-        self.server.launch(self.command(), env)
         limit, silent = start_limits(1200.0, 180.0)
-        self.server.wait_healthy(self.url + "/health", timeout or limit, poll=0.5,
-                                 stall=stall or silent)
+        for attempt in range(3):
+            self.server.launch(self.command(), env)
+            try:
+                self.server.wait_healthy(self.url + "/health", timeout or limit, poll=0.5,
+                                         stall=stall or silent)
+                return self
+            except RuntimeError as e:
+                if not (self.port_chosen and attempt < 2 and "Address already in use" in str(e)):
+                    raise
+                self.port = free_port()
         return self
 
     @property

@@ -1,0 +1,62 @@
+"""A port the server chose itself and lost before it bound (another process took it between
+`free_port()` and the bind, which vLLM does a minute into its start) is replaced by another; a
+port the caller gave is never changed. A small HTTP server stands in for vLLM's start here (its
+command is the only thing replaced): the retry is the launcher's, not vLLM's."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from weightsync_vllm.launch import VllmServer
+
+SERVE = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+print("starting", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class _Standin(VllmServer):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", SERVE, str(self.port)]
+
+
+def _taken() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_a_chosen_port_taken_before_the_bind_is_replaced(tmp_path: Path) -> None:
+    holder = _taken()
+    server = _Standin(tmp_path, log=tmp_path / "s.log")
+    server.port = lost = holder.getsockname()[1]          # as if another process took it
+    try:
+        server.start(timeout=60)
+        assert server.port != lost and server.url.endswith(f":{server.port}")
+        assert "Address already in use" in (tmp_path / "s.log").read_text()
+    finally:
+        server.stop()
+        holder.close()
+
+
+def test_a_port_the_caller_gave_is_not_changed(tmp_path: Path) -> None:
+    holder = _taken()
+    port = holder.getsockname()[1]
+    server = _Standin(tmp_path, port=port, log=tmp_path / "s.log")
+    try:
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            server.start(timeout=60)
+        assert server.port == port
+    finally:
+        server.stop()
+        holder.close()
