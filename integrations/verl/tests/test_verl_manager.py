@@ -50,6 +50,18 @@ def config() -> CheckpointEngineConfig:
                                   engine_kwargs={"weightsync": {"lease": LEASE, "deadline": 120.0}})
 
 
+def actor_group(model_dir: Path, cfg: CheckpointEngineConfig, prefix: str) -> Any:
+    """verl's RayWorkerGroup of one actor worker (the test's, calling send_weights as verl's)."""
+    import sys
+    sys.path.insert(0, str(HERE))
+    from verl_ray_workers import ActorWorker
+    return RayWorkerGroup(resource_pool=RayResourcePool([1], use_gpu=False, max_colocate_count=1),
+                          ray_cls_with_init=RayClassWithInitArgs(
+                              cls=ray.remote(ActorWorker), model_path=str(model_dir),
+                              checkpoint_engine=cfg.__dict__ | {"engine_kwargs": cfg.engine_kwargs}),
+                          use_gpu=False, name_prefix=prefix)
+
+
 def replica(rank: int, model_dir: Path, corrupt: bool = False) -> Any:
     from verl_ray_workers import CpuReplica
     cfg = RolloutConfig(name="vllm", checkpoint_engine=config())
@@ -66,15 +78,8 @@ def engine_version(r: Any) -> int:
 
 
 def test_verls_manager_drives_weightsync_with_replicas_added_removed_and_killed(cluster: Path) -> None:
-    import sys
-    sys.path.insert(0, str(HERE))
-    from verl_ray_workers import ActorWorker
     cfg = config()
-    actor = RayWorkerGroup(resource_pool=RayResourcePool([1], use_gpu=False, max_colocate_count=1),
-                           ray_cls_with_init=RayClassWithInitArgs(
-                               cls=ray.remote(ActorWorker), model_path=str(cluster),
-                               checkpoint_engine=cfg.__dict__ | {"engine_kwargs": cfg.engine_kwargs}),
-                           use_gpu=False, name_prefix="actor")
+    actor = actor_group(cluster, cfg, "actor")
     r1, r2 = replica(0, cluster), replica(1, cluster)
     manager = CheckpointEngineManager(cfg, actor, [r1, r2])
 
@@ -140,15 +145,8 @@ def test_a_corrupting_load_path_is_not_caught_and_the_report_says_why(cluster: P
     """The probe (issue 40 item 3) cannot run on verl's replicas: the round report says it was
     skipped and why, and a replica whose load path mangles a weight after the sync serves other
     tokens than the trainer's policy while the report stays `verified` for the bytes it holds."""
-    import sys
-    sys.path.insert(0, str(HERE))
-    from verl_ray_workers import ActorWorker
     cfg = config()
-    actor = RayWorkerGroup(resource_pool=RayResourcePool([1], use_gpu=False, max_colocate_count=1),
-                           ray_cls_with_init=RayClassWithInitArgs(
-                               cls=ray.remote(ActorWorker), model_path=str(cluster),
-                               checkpoint_engine=cfg.__dict__ | {"engine_kwargs": cfg.engine_kwargs}),
-                           use_gpu=False, name_prefix="actor2")
+    actor = actor_group(cluster, cfg, "actor2")
     bad = replica(5, cluster, corrupt=True)
     manager = CheckpointEngineManager(cfg, actor, [bad])
     policy = actor.train_step(1)[0]
