@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,12 +25,6 @@ from weightsync.wire.bucket import dtype_name
 
 log = logging.getLogger("weightsync.verl")
 Layout = list[list[Any]]            # [[name, dtype name, shape], ...] in the trainer's order
-
-
-def replica_name(rank: int) -> str:
-    """A name unique per process on this host: host, pid and the rank verl gave it."""
-    host = socket.gethostname().split(".")[0] or "host"
-    return f"{host}-{os.getpid()}-r{rank}"
 
 
 def layout_of(named: dict[str, torch.Tensor]) -> Layout:

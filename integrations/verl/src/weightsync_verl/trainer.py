@@ -44,18 +44,17 @@ class TopologyFleet(RegistryFleet):
 
     def members(self) -> list[Member]:
         live = super().members()
-        if self.round is None:
-            return live
-        names = {m.name for m in live}
-        self.absent = [n for n in self.round if n not in names]
-        return [m for m in live if m.name in set(self.round)]
+        return live if self.round is None else [m for m in live if m.name in set(self.round)]
 
     def excluded(self) -> dict[str, str]:
+        """What the push leaves out (the pipeline asks once per push, before `members`); the
+        topology's workers that are no live member are kept in `absent` for verl's metrics."""
         out = dict(super().excluded())
         if self.round is not None:
-            for m in super().members():
-                if m.name not in self.round:
-                    out[m.name] = "not in verl's topology this round (removed from the manager)"
+            names = {m.name for m in super().members()}
+            for n in sorted(names - set(self.round)):
+                out[n] = "not in verl's topology this round (removed from the manager)"
+            self.absent = [n for n in self.round if n not in names]
             for n in self.absent:
                 out.setdefault(n, "in verl's topology but not a live member of the fleet")
         return out
@@ -135,7 +134,6 @@ class Trainer:
                 raise
             report = e.report
         report.probe = f"skipped: {NO_PROBE}"
-        report.excluded = {**report.excluded, **self.fleet.excluded()}
         self.last = report
         return report
 
