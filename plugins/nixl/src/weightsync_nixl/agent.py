@@ -69,7 +69,7 @@ class Agent:
         self.notes_lock = threading.Lock()
         self._md: bytes | None = None
         self._holds: dict[object, float] = {}     # why this agent progresses -> until when
-        self._held = threading.Condition()
+        self._held = threading.Lock()
         self._pumping = False
         self._keys = itertools.count()
 
