@@ -16,10 +16,8 @@ __all__ = ["open_regular", "read_checkpoint"]
 
 
 def open_regular(file: Path, inside: Path) -> int:
-    """A read-only descriptor of `file`, which must resolve (symlinks followed) to a regular file
-    inside the directory `inside` (resolved): a link out of a load root, a FIFO or a device is a
-    PayloadError, and the open never blocks (O_NONBLOCK: a FIFO with no writer cannot freeze
-    the engine). Read through /proc/self/fd, the checked file is the one read."""
+    """A read-only, non-blocking descriptor of `file`, which must resolve to a regular file inside
+    the directory `inside` (a link out of it, a FIFO or a device is a PayloadError)."""
     real = file.resolve()
     if inside not in real.parents:
         raise PayloadError(f"checkpoint file {file} resolves to {real}, outside {inside}; links out "
@@ -35,8 +33,7 @@ def open_regular(file: Path, inside: Path) -> int:
 
 
 def read_checkpoint(path: str | Path, check: Callable[[str, torch.Tensor], Any]) -> dict[str, torch.Tensor]:
-    """Every tensor of a local safetensors checkpoint directory, each passed to `check` first, so
-    a reload-from-disk reads and checks everything before anything is applied."""
+    """Every tensor of a local safetensors checkpoint directory, each passed to `check` first."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

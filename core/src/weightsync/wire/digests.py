@@ -1,25 +1,9 @@
-"""A tensor's xxh3-128 digest (`weightsync.wire.bucket.tensor_digest`: a header, then the bytes) in a
-hash state that C code and compiled loops can feed themselves, and the one-pass copy + digest
-that every CPU stage of a sync is made of (the sender packing a bucket, an engine staging it).
-
-Why: a copy and a separate hashing pass go over the bytes twice. Where the source is the
-process's own memory, each few KiB are hashed while in the core's first-level cache and then
-streamed to the destination with non-temporal stores: two memory transfers per byte, as for a
-bare copy (1 GiB on one core, quiet: about 0.13 s against 0.16 s for a copy and then a hash).
-Where the digest must be of the destination (memory a sender could still write), each MiB is
-streamed and then hashed back, without the GIL. Feeding a Python hash object in small chunks
-cannot do either (every call costs microseconds).
-
-The state lives in C memory and is fed by the xxHash library that the `xxhash` package is built
-from (its extension module exports XXH3_128bits_*). Three paths, all giving the same digest:
-
-- numba installed (the `fast` extra) and WEIGHTSYNC_JIT not "0": compiled loops without the
-  GIL (`weightsync.wire.jit`) that copy with non-temporal stores and feed the C state as they go;
-- otherwise, with the C functions: a Python loop of 128 KiB `memmove` + C update calls (both
-  release the GIL; the chunk is still in the second-level cache when it is hashed);
-- without them: torch's copy, then the `xxhash` package over the copy (two passes).
-
-The disk_delta plugin's compiled compare and write feed the same `Digest` from their own loops."""
+"""A tensor's xxh3-128 digest (`weightsync.wire.bucket.tensor_digest`: a header, then the bytes)
+in a hash state that C code and compiled loops feed themselves, and the one-pass copy + digest
+every CPU stage of a sync is made of: each chunk is hashed while in cache instead of a copy and a
+second pass over the bytes. Three paths give the same digest: numba loops (`weightsync.wire.jit`,
+the `fast` extra, unless WEIGHTSYNC_JIT=0) with non-temporal stores; a Python loop of `memmove`
+and the C update of the xxHash library inside the `xxhash` package; or a copy, then `xxhash`."""
 
 from __future__ import annotations
 
@@ -183,15 +167,10 @@ def _flat(t: torch.Tensor) -> bool:
 
 def copy_digest(dst: torch.Tensor, src: torch.Tensor, header: bytes, source: bool = False) -> str:
     """Copy `src` into `dst` (same dtype and number of elements) and return the xxh3-128 digest
-    of `header` followed by the bytes copied, i.e. `tensor_digest` of `dst` when `header` is its
-    `tensor_header`. One pass over memory on CPU: each chunk is hashed from `dst` right after it
-    was written, so the digest is of what `dst` holds.
-
-    `source=True`, for a source no other process or thread writes while it is copied (the
-    sender's own tensors, a receive buffer of the engine's own): each chunk is hashed from `src`
-    and then streamed to `dst` with non-temporal stores (numba path), two memory transfers per
-    byte instead of three (1 GiB on one core: 0.14 s instead of 0.19 s). Other devices and
-    layouts: copy, then hash (two passes, same digest)."""
+    of `header` followed by the bytes copied (`tensor_digest` of `dst` when `header` is its
+    `tensor_header`), in one pass on CPU, hashed from `dst`. `source=True`, for a source no one
+    else writes during the copy: hashed from `src` and streamed to `dst` (fewer memory transfers).
+    Other devices and layouts: copy, then hash."""
     if dst.numel() != src.numel():
         raise ValueError(f"copy of {src.numel()} elements into a tensor of {dst.numel()}")
     n = dst.numel() * dst.element_size()
@@ -227,9 +206,8 @@ def digest_at(header: bytes, address: int, nbytes: int) -> str:
 
 
 def copy_digest_many(jobs: list[tuple[torch.Tensor, torch.Tensor, bytes]], source: bool = False) -> list[str]:
-    """`copy_digest(dst, src, header, source)` for each job, in order, spread over the worker pool in
-    as many runs of about equal bytes as there are workers (one pool task per run, not per
-    tensor: a bucket of thousands of small tensors pays no per-task overhead)."""
+    """`copy_digest(dst, src, header, source)` for each job, in order, spread over the worker pool
+    in one run of about equal bytes per worker (no per-tensor task overhead)."""
     from weightsync.wire.pool import map_threads, workers
     if not jobs:
         return []

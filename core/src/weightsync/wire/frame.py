@@ -26,14 +26,11 @@ _ST_DTYPES = {
 }
 SAFETENSORS_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 _MAX_HEADER = 100 * 2**20
+_CORRUPT = "; the payload is corrupted"
 
 
 def target_dtype(t: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
     return cast if cast is not None and t.is_floating_point() else t.dtype
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize          # no tensor allocation per call (hot in per-tensor loops)
 
 
 def safetensors_layout(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
@@ -46,10 +43,10 @@ def safetensors_layout(named: Sequence[tuple[str, torch.Tensor]], metadata: dict
         header["__metadata__"] = metadata
     placed = []
     off = 0
-    for name, t in sorted(named, key=lambda nt: (-_itemsize(target_dtype(nt[1], cast)),
+    for name, t in sorted(named, key=lambda nt: (-target_dtype(nt[1], cast).itemsize,
                                                   dtype_name(target_dtype(nt[1], cast)))):
         dt = target_dtype(t, cast)
-        n = t.numel() * _itemsize(dt)
+        n = t.numel() * dt.itemsize
         header[name] = {"dtype": _ST_DTYPES[dtype_name(dt)], "shape": list(t.shape),
                         "data_offsets": [off, off + n]}
         placed.append((name, t, off, dt))
@@ -70,7 +67,7 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | N
     out = _with_head(out, head, placed)
     base = len(head)
     for _, t, off, dt in placed:
-        n = t.numel() * _itemsize(dt)
+        n = t.numel() * dt.itemsize
         if n:
             dst = out[base + off: base + off + n].view(dt).view(t.shape)
             dst.copy_(t.detach())
@@ -80,7 +77,7 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | N
 def _with_head(out: torch.Tensor | None, head: bytes,
                placed: list[tuple[str, torch.Tensor, int, torch.dtype]]) -> torch.Tensor:
     """The payload's buffer (`out`, or a new one) cut to size, with the safetensors header in."""
-    total = len(head) + sum(t.numel() * _itemsize(dt) for _, t, _, dt in placed)
+    total = len(head) + sum(t.numel() * dt.itemsize for _, t, _, dt in placed)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8)
     elif out.numel() < total:
@@ -94,12 +91,9 @@ def pack_digest(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | N
                 metadata: dict[str, str] | None = None,
                 layout: tuple[bytes, list[tuple[str, torch.Tensor, int, torch.dtype]]] | None = None
                 ) -> tuple[torch.Tensor, dict[str, str]]:
-    """`pack` and every tensor's xxh3-128 digest (`tensor_digest` of the packed tensor) in one
-    pass over the bytes: each chunk of a tensor is hashed while it is in cache and copied into
-    the buffer right after (`weightsync.wire.digests.copy_digest`, source mode: the trainer does not
-    change its weights during a push; if it did, every receiver's digest of what it got would
-    differ from these and the sync would fail), the bucket's tensors spread over the cores.
-    `layout`: `safetensors_layout(named, metadata)` when the caller computed it already."""
+    """`pack` and every tensor's xxh3-128 digest in one pass over the bytes (`copy_digest`, source
+    mode: the trainer does not change its weights during a push). `layout`:
+    `safetensors_layout(named, metadata)` when the caller computed it already."""
     from weightsync.wire.bucket import tensor_header
     from weightsync.wire.digests import copy_digest_many
     head, placed = layout if layout is not None else safetensors_layout(named, metadata)
@@ -107,7 +101,7 @@ def pack_digest(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | N
     base = len(head)
     jobs = []
     for name, t, off, dt in placed:
-        n = t.numel() * _itemsize(dt)
+        n = t.numel() * dt.itemsize
         dst = out[base + off: base + off + n].view(dt).view(t.shape) if n else torch.empty(t.shape, dtype=dt)
         jobs.append((dst, t.detach(), tensor_header(name, t)))
     digests = copy_digest_many(jobs, source=True)    # the sender's own tensors: no other writer
@@ -117,23 +111,29 @@ def pack_digest(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | N
 def packed_size(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None,
                 cast: torch.dtype | None = None) -> int:
     head, placed = safetensors_layout(named, metadata, cast)
-    return len(head) + sum(t.numel() * _itemsize(dt) for _, t, _, dt in placed)
+    return len(head) + sum(t.numel() * dt.itemsize for _, t, _, dt in placed)
 
 
 def read_header(buf: torch.Tensor) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(start of the data section, per-tensor header entries in file order, __metadata__)."""
     hlen = header_length(bytes(buf[:8].cpu().numpy()), buf.numel())
-    try:
-        header = json.loads(bytes(buf[8: 8 + hlen].cpu().numpy()))
-    except ValueError as e:
-        raise PayloadError(f"payload header is not valid JSON ({e}); the payload is corrupted") from None
-    if not isinstance(header, dict):
-        raise PayloadError(f"payload header is a JSON {type(header).__name__}, not an object; "
-                           f"the payload is corrupted")
+    header = _json_object(bytes(buf[8: 8 + hlen].cpu().numpy()), "payload header", _CORRUPT)
     meta = header.pop("__metadata__", {}) or {}
     if not isinstance(meta, dict):
-        raise PayloadError("payload header's __metadata__ is not an object; the payload is corrupted")
+        raise PayloadError("payload header's __metadata__ is not an object" + _CORRUPT)
     return 8 + hlen, header, meta
+
+
+def _json_object(raw: bytes | memoryview, what: str, tail: str = "") -> dict[str, Any]:
+    """`raw` parsed as the JSON object a header must be; PayloadError naming `what` otherwise."""
+    try:
+        header = json.loads(bytes(raw))
+    except ValueError as e:
+        raise PayloadError(f"{what} is not valid JSON ({e}){tail}") from None
+    if not isinstance(header, dict):
+        raise PayloadError(f"{what} is not a JSON object (a JSON {type(header).__name__}, not an "
+                           f"object){tail}")
+    return header
 
 
 def _is_int(x: Any) -> bool:
@@ -169,41 +169,28 @@ def header_entries(header: dict[str, Any], data_bytes: int) -> list[tuple[str, t
 def parse_header(raw: bytes | memoryview, total: int) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], dict[str, str]]:
     """The entries and __metadata__ of a safetensors JSON header `raw` of a `total`-byte payload
     (its 8-byte length prefix included in `total`)."""
-    try:
-        header = json.loads(bytes(raw))
-    except ValueError as e:
-        raise PayloadError(f"payload header is not valid JSON ({e}); the payload is corrupted") from None
-    if not isinstance(header, dict):
-        raise PayloadError("payload header is not a JSON object; the payload is corrupted")
+    header = _json_object(raw, "payload header", _CORRUPT)
     meta = header.pop("__metadata__", {}) or {}
     return header_entries(header, total - 8 - len(raw)), meta
 
 
 def read_file_header(path: str | Path) -> tuple[int, dict[str, Any], dict[str, str]]:
     """A safetensors file's header without reading its data: (start of the data section, name ->
-    {dtype, shape, data_offsets}, __metadata__). The one parser of file headers: checkpoint
-    names, a host-local checkpoint's offsets, the vLLM worker's index of what it serves."""
+    {dtype, shape, data_offsets}, __metadata__). The one parser of file headers."""
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        size = os.fstat(f.fileno()).st_size
-        hlen = header_length(prefix, size)
-        try:
-            header = json.loads(f.read(hlen))
-        except ValueError as e:
-            raise PayloadError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise PayloadError(f"{path}: the safetensors header is not a JSON object")
+        hlen = header_length(f.read(8), os.fstat(f.fileno()).st_size)
+        header = _json_object(f.read(hlen), f"{path}: the safetensors header")
     meta = header.pop("__metadata__", None) or {}
     return 8 + hlen, header, meta
 
 
-def header_length(prefix: bytes | memoryview, total: int) -> int:
-    """The JSON header length from a payload's first 8 bytes, checked against its size."""
+def header_length(prefix: bytes | memoryview, total: int, what: str = "payload") -> int:
+    """The JSON header length from a payload's (or frame's) first 8 bytes, checked against its size."""
     if len(prefix) < 8:
-        raise PayloadError("payload is truncated: shorter than the 8-byte safetensors header length")
+        raise PayloadError(f"{what} is truncated: shorter than the 8-byte header length")
     (hlen,) = struct.unpack("<Q", bytes(prefix[:8]))
     if hlen > _MAX_HEADER or 8 + hlen > total:
-        raise PayloadError(f"payload header length {hlen} does not fit a {total}-byte payload")
+        raise PayloadError(f"{what} header length {hlen} does not fit a {total}-byte {what}")
     return hlen
 
 
@@ -235,8 +222,8 @@ def frame(header: dict[str, Any], body: torch.Tensor | bytes | memoryview) -> li
 
 def read_frame_header(read_into: Any, total: int) -> tuple[dict[str, Any], int]:
     """The JSON payload header of a frame that is still arriving (`read_into(view)` fills the
-    start of `view`, returns the count: a socket's `recv_into`, a reader's `readinto`) and how
-    many body bytes follow it, reading nothing of the body (`ReceiveSession.apply_stream`)."""
+    start of `view`, returns the count) and how many body bytes follow it, reading nothing of the
+    body (`ReceiveSession.apply_stream`)."""
     def exact(n: int) -> bytes:
         buf = memoryview(bytearray(n))
         got = 0
@@ -246,29 +233,11 @@ def read_frame_header(read_into: Any, total: int) -> tuple[dict[str, Any], int]:
                 raise PayloadError(f"frame is truncated: it ended after {got} of {n} header bytes")
             got += k
         return bytes(buf)
-    if total < 8:
-        raise PayloadError("frame is truncated: no header length")
-    (hlen,) = struct.unpack("<Q", exact(8))
-    if hlen > _MAX_HEADER or 8 + hlen > total:
-        raise PayloadError(f"frame header length {hlen} does not fit a {total}-byte frame")
-    try:
-        header = json.loads(exact(hlen))
-    except ValueError as e:
-        raise PayloadError(f"frame header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise PayloadError("frame header is not a JSON object")
-    return header, total - 8 - hlen
+    hlen = header_length(exact(8) if total >= 8 else b"", total, "frame")
+    return _json_object(exact(hlen), "frame header"), total - 8 - hlen
 
 
 def unframe(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
     mv = memoryview(buf)
-    if len(mv) < 8:
-        raise PayloadError("frame is truncated: no header length")
-    (hlen,) = struct.unpack("<Q", mv[:8])
-    if hlen > _MAX_HEADER or 8 + hlen > len(mv):
-        raise PayloadError(f"frame header length {hlen} does not fit a {len(mv)}-byte frame")
-    try:
-        header = json.loads(bytes(mv[8: 8 + hlen]))
-    except ValueError as e:
-        raise PayloadError(f"frame header is not valid JSON ({e})") from None
-    return header, mv[8 + hlen:]
+    hlen = header_length(mv[:8], len(mv), "frame")
+    return _json_object(mv[8: 8 + hlen], "frame header"), mv[8 + hlen:]

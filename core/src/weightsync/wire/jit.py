@@ -1,13 +1,7 @@
-"""numba pieces shared by weightsync's compiled loops (imported only through `hashing.jit()`, and
-only when numba is installed: the `fast` extra). The intrinsics take plain integers (addresses,
-lengths), so the compiled code holds no address and stays cacheable; the disk_delta plugin's
-kernels use `hash_into` and `prefetch` from here.
-
-Both copy loops stream to the destination with non-temporal stores (no read-for-ownership of
-the destination, no cache pollution) and feed an XXH3-128 C state as they go: `hash_stream`
-hashes each step of the source while it is in cache and then copies it (two memory transfers per
-byte: for a source no one else writes), `stream_then_hash` hashes each step of the destination
-right after writing it (the digest is of what the destination holds). See `weightsync.wire.digests`."""
+"""numba pieces of weightsync's compiled loops (imported only through `digests.jit()`, when
+numba is installed). The intrinsics take plain integers (addresses, lengths), so the compiled code
+holds no address and stays cacheable; the disk_delta plugin's kernels use `hash_into` and
+`prefetch`. Both copy loops stream with non-temporal stores and feed an XXH3-128 C state."""
 
 from __future__ import annotations
 
@@ -40,8 +34,7 @@ def prefetch(typingctx, addr):  # type: ignore[no-untyped-def]
 
 @intrinsic
 def hash_into(typingctx, fn, state, ptr, n):  # type: ignore[no-untyped-def]
-    """Call the C function at address `fn` as XXH3_128bits_update(state, ptr, n); all four are
-    integers, so the compiled code holds no address and stays cacheable."""
+    """Call the C function at address `fn` as XXH3_128bits_update(state, ptr, n)."""
     if not all(isinstance(t, types.Integer) for t in (fn, state, ptr, n)):
         return None
     sig = types.void(fn, state, ptr, n)
@@ -119,9 +112,8 @@ def _stream(d, c, k):  # type: ignore[no-untyped-def]
 
 @numba.njit(**_JIT)
 def hash_stream(dst, src, n, fn, state, step):  # type: ignore[no-untyped-def]
-    """Hash `n` bytes at address `src` into the C state `state` (through `fn`), `step` bytes at a
-    time, each step copied to `dst` right after it was hashed (from the cache) with
-    non-temporal stores. The digest is of the source's bytes: for a source no one else writes."""
+    """Hash `n` bytes at `src` into the C state `state` (through `fn`), `step` bytes at a time,
+    each step streamed to `dst` right after (from the cache): for a source no one else writes."""
     for s in range(0, n, step):
         k = min(step, n - s)
         hash_into(fn, state, src + s, k)
@@ -131,10 +123,8 @@ def hash_stream(dst, src, n, fn, state, step):  # type: ignore[no-untyped-def]
 
 @numba.njit(**_JIT)
 def stream_then_hash(dst, src, n, fn, state, step):  # type: ignore[no-untyped-def]
-    """Copy `n` bytes from address `src` to `dst`, `step` bytes at a time with non-temporal
-    stores, hashing each step from `dst` right after it was written: the digest is of what
-    `dst` holds. (A copy with ordinary stores hashed from the first-level cache reads every
-    destination line before writing it: slower here, with the same memory traffic.)"""
+    """Stream `n` bytes from `src` to `dst`, `step` bytes at a time, hashing each step from
+    `dst` right after it was written: the digest is of what `dst` holds."""
     for s in range(0, n, step):
         k = min(step, n - s)
         _stream(dst + s, src + s, k)

@@ -143,8 +143,7 @@ def chunk_sums(t: torch.Tensor, use_triton: bool | None = None) -> tuple[torch.T
 
 def mlh_digests(items: list[tuple[bytes, torch.Tensor]], use_triton: bool | None = None) -> list[str]:
     """The digest of each (tensor header, tensor): `mlh:` + xxh3-128 of header, byte count and
-    chunk sums (see the module docstring). Every tensor's sums are computed first and come back to
-    the host in one copy per device, so a bucket costs one synchronization, not one per tensor."""
+    chunk sums; the sums come back to the host in one copy per device (one synchronization)."""
     sums = [torch.stack(chunk_sums(t, use_triton), dim=1).reshape(-1) for _, t in items]
     host: list[Any] = [None] * len(items)
     by_device: dict[Any, list[int]] = {}

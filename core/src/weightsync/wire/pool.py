@@ -1,8 +1,5 @@
-"""One shared pool of worker threads for per-tensor work that releases the GIL (hashing,
-numpy/torch compares and copies), so a bucket's tensors use every core.
-
-`map_threads` runs inline when called from one of the pool's own threads: nested calls can never
-wait on a pool that their own callers have filled."""
+"""One shared pool of worker threads for per-tensor work that releases the GIL (hashing, compares,
+copies). `map_threads` runs inline on the pool's own threads: a nested call never waits on it."""
 
 from __future__ import annotations
 

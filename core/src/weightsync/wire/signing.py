@@ -1,13 +1,8 @@
-"""Signed payloads: an HMAC key shared by the trainer and the engines. xxh3 digests catch
-corruption, not forgery: whoever can write to the network path can also recompute a digest. With
-a key, every payload header carries `sig`, an HMAC-SHA256 over what the payload claims (version,
-bucket index, last, encoding, digest, tensors); an engine that holds the key refuses a payload
-whose signature is missing or wrong, and since its digest check binds the bytes to the signed
-digest, forged bytes never reach a commit. The version is signed too, so a recorded payload
-cannot be replayed into another version's round.
-
-Keys come from `sync.hmac_key_file` / `$WEIGHTSYNC_HMAC_KEY` on the trainer and
-`weightsync serve --hmac-key-file` / `$WEIGHTSYNC_HMAC_KEY` on engines."""
+"""Signed payloads: an HMAC key shared by the trainer and the engines (xxh3 catches corruption,
+not forgery). With a key, every payload header carries `sig`, an HMAC-SHA256 over what the payload
+claims (version, index, last, encoding, digest, tensors); an engine holding the key refuses a
+payload whose signature is missing or wrong, and its digest check binds the bytes to the signed
+digest. Keys: `sync.hmac_key_file`, `weightsync serve --hmac-key-file` or $WEIGHTSYNC_HMAC_KEY."""
 
 from __future__ import annotations
 
@@ -82,19 +77,19 @@ def tensor_digests(named: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def _checkpoint_claims(version: int, digests: Mapping[str, str]) -> bytes:
-    return json.dumps({"version": int(version), "tensors": dict(sorted(digests.items()))},
-                      separators=(",", ":")).encode()
+def _checkpoint_mac(key: bytes, version: int, digests: Mapping[str, str]) -> str:
+    claims = json.dumps({"version": int(version), "tensors": dict(sorted(digests.items()))},
+                        separators=(",", ":")).encode()
+    return hmac.new(key, claims, hashlib.sha256).hexdigest()
 
 
 def checkpoint_signature(key: bytes, path: str | Path, version: int) -> dict[str, Any]:
     """The signature of checkpoint directory `path` as `version`: each tensor's digest and an
-    HMAC over them and the version. Send it with load_from_disk (`signature`), or write it into
-    the directory with `sign_checkpoint`."""
+    HMAC over them and the version (sent with load_from_disk, or written by `sign_checkpoint`)."""
     from weightsync.wire.checkpoint import read_checkpoint
     digests = tensor_digests(read_checkpoint(path, lambda n, t: None))
-    sig = hmac.new(key, _checkpoint_claims(version, digests), hashlib.sha256).hexdigest()
-    return {"version": int(version), "tensors": digests, "sig": sig}
+    return {"version": int(version), "tensors": digests,
+            "sig": _checkpoint_mac(key, version, digests)}
 
 
 def sign_checkpoint(key: bytes, path: str | Path, version: int) -> Path:
@@ -110,8 +105,7 @@ def sign_checkpoint(key: bytes, path: str | Path, version: int) -> Path:
 def check_checkpoint(key: bytes | None, path: str | Path, version: int,
                      named: Mapping[str, Any], signature: Any = None) -> None:
     """Refuse a checkpoint (already read into `named`) not signed with `key` as `version` (only when
-    this side holds a key). The signature comes with the request or from the directory's signature
-    file. The digests are of what was read, so a file changed after the check cannot slip in."""
+    this side holds a key); the signature comes with the request or from the directory's file."""
     if key is None:
         return
     f = Path(path) / SIGNATURE_FILE
@@ -126,9 +120,9 @@ def check_checkpoint(key: bytes | None, path: str | Path, version: int,
     if not isinstance(raw, dict) or not isinstance(raw.get("tensors"), dict) \
             or not isinstance(raw.get("version"), int):
         raise PayloadError(f"checkpoint {path}: {SIGNATURE_FILE} is malformed: {hint}")
-    want = hmac.new(key, _checkpoint_claims(raw["version"], raw["tensors"]), hashlib.sha256).hexdigest()
     got = raw.get("sig")
-    if not isinstance(got, str) or not hmac.compare_digest(got, want):
+    if not isinstance(got, str) or not hmac.compare_digest(
+            got, _checkpoint_mac(key, raw["version"], raw["tensors"])):
         raise PayloadError(f"checkpoint {path} has a wrong signature: {hint}")
     if raw["version"] != int(version):
         raise PayloadError(f"checkpoint {path} is signed as version {raw['version']}, not "
