@@ -12,13 +12,9 @@ _RFILE_BUFFER = io.DEFAULT_BUFFER_SIZE
 
 
 class BodyStream:
-    """`read_into(view)` over one request body: reads at most what is left of it, and keeps the
-    handler's count of unread bytes current (so an error mid-body drains or closes).
-
-    `gather` (bytes, 0: off): each read waits until that many bytes have arrived (SO_RCVLOWAT,
-    never more than the read itself still needs) and returns what one receive brings. A body
-    over a paced link otherwise wakes its reader once per few packets; sixteen relays on two
-    cores each woken tens of thousands of times per push spend their CPU on wakeups."""
+    """`read_into(view)` over one request body, keeping the handler's count of unread bytes
+    current. `gather` (bytes, 0: off): each read waits until that many bytes arrived
+    (SO_RCVLOWAT), so a body on a paced link does not wake its reader every few packets."""
 
     def __init__(self, handler: Any, n: int, gather: int = 0) -> None:
         self.handler, self.left = handler, n

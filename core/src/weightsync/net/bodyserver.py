@@ -1,19 +1,9 @@
-"""Payload bodies in binary for receivers that pull them: the sender publishes a body on a small
-HTTP server of its own and tells the receiver where (URL + one-time token), and the receiver
-fetches it straight into its staging buffers (`fetch`). Engines whose weight route takes only
-JSON (vLLM's /update_weights) get the bytes this way instead of as base64 inside the JSON; a
-member joining a fleet can take its catch-up the same way from a peer.
-
-Hardened like every weightsync service (`weightsync.net.server`): bound to loopback unless told
-otherwise; every body has its own random 128-bit token, checked (constant time) before anything
-is sent, and is served to at most `fetches` requests (default one) and only while published;
-nothing is ever written to the server (GET only, no request body); idle and slow clients time
-out; connections are capped. The fetching side checks the status, that Content-Length is the
-size it expects (and at most its cap), and times out.
-
-A body can also be served while it still arrives (`offer` a `Live` body): a relay member passes
-each piece on once it has checked it, and a fetch may start at an `offset` (a member that lost
-its relay takes the rest of the body from the trainer)."""
+"""Payload bodies in binary for receivers that pull them: the sender publishes a body on an HTTP
+server of its own and tells the receiver where (URL + one-time token), and the receiver fetches it
+straight into its staging buffers (`fetch`): vLLM's JSON-only weight route gets bytes, not base64.
+Hardened like every weightsync service: loopback unless told otherwise, a random token per body
+checked in constant time, at most `fetches` requests per body, GET only. A `Live` body is served
+while it still arrives (a relay member passing on checked pieces), from any `offset`."""
 
 from __future__ import annotations
 
@@ -92,8 +82,7 @@ class BodyServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
                  timeout: float = 60.0, max_connections: int = 16, linger: float = 0.0) -> None:
-        """`linger`: seconds a fetch of an id not offered yet waits for it (a relay member's
-        child may ask before its parent was told what to serve)."""
+        """`linger`: seconds a fetch of an id not offered yet waits for it."""
         self.host, self.port, self.advertise = host, port, advertise
         self.timeout, self.max_connections, self.linger = timeout, max_connections, linger
         self._bodies: dict[str, _Body] = {}
@@ -151,9 +140,8 @@ class BodyServer:
 
     def publish(self, body: torch.Tensor | memoryview | bytes, fetches: int = 1,
                 on_fetch: Callable[[Mapping[str, str]], None] | None = None) -> dict[str, Any]:
-        """Serve `body` (held, not copied: keep it unchanged until `withdraw`) to at most
-        `fetches` requests (`on_fetch` is told each one's request headers). Returns what the
-        receiver needs: {"url", "token", "nbytes"}."""
+        """Serve `body` (held, not copied) to at most `fetches` requests (`on_fetch` is told each
+        one's headers); returns what the receiver needs: {"url", "token", "nbytes"}."""
         if isinstance(body, torch.Tensor):
             if body.device.type != "cpu" or not body.is_contiguous():
                 raise ValueError("a published body must be a contiguous CPU tensor")
@@ -169,8 +157,7 @@ class BodyServer:
         return {"url": f"{url}?id={bid}", "token": token, "nbytes": len(view)}
 
     def offer(self, bid: str, token: str, body: Live, fetches: int) -> None:
-        """Serve a body that still arrives under an id and token someone else chose (the
-        trainer, for the members this one feeds), to at most `fetches` requests."""
+        """Serve a body that still arrives under an id and token the trainer chose."""
         if not (bid and token and fetches > 0):
             raise PayloadError("an offered body needs an id, a token and at least one fetch")
         self.start()
@@ -216,10 +203,8 @@ class BodyServer:
 def fetch(ref: Mapping[str, Any], consume: Callable[[Callable[[memoryview], int], int], Any], *,
           max_bytes: int, timeout: float = 60.0, offset: int = 0,
           headers: Mapping[str, str] | None = None) -> Any:
-    """GET a published body (from byte `offset`) and hand its stream to
-    `consume(read_into, nbytes)` (which must read exactly nbytes: `receive.read_staged`,
-    `receive.read_exact`); returns what it returns. Refuses anything but plain http, a body of
-    another size than `ref["nbytes"]` (less the offset), or over `max_bytes`."""
+    """GET a published body (from byte `offset`) and return `consume(read_into, nbytes)`, which
+    reads exactly nbytes; refuses anything but plain http, another size, or over `max_bytes`."""
     try:
         url, token, nbytes = str(ref["url"]), str(ref["token"]), int(ref["nbytes"])
     except (KeyError, TypeError, ValueError):

@@ -10,10 +10,8 @@ __all__ = ["hung_up"]
 
 
 def hung_up(sock: socket.socket) -> bool:
-    """True once the peer of `sock` closed it (the request's body was read whole, so a readable
-    socket that yields no byte is the caller's end). Never blocks; a socket already closed on this
-    side counts as hung up. On TLS the peek reads the TCP stream under the TLS layer: a caller that
-    shuts its connection is seen; one that sends close_notify first, once the record is read."""
+    """True once the peer of `sock` closed it (after the body was read, a readable socket that
+    yields no byte is the caller's end); never blocks. On TLS the peek sees the TCP stream."""
     try:
         readable, _, _ = select.select([sock], [], [], 0)
         flags = socket.MSG_PEEK | socket.MSG_DONTWAIT

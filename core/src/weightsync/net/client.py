@@ -68,16 +68,14 @@ def call(session: requests.Session, engine: str, method: str, url: str, *, timeo
 
 
 def forget_connections(session: requests.Session) -> None:
-    """Drop the session's idle keep-alive connections. An ASGI server (uvicorn, under vLLM and
-    SGLang) that answered with an unhandled exception closes the connection a moment after the
-    response; a request sent on it in that moment is reset. The next call opens a fresh one."""
+    """Drop the session's idle keep-alive connections (uvicorn closes one a moment after a 5xx:
+    a request sent on it then is reset)."""
     for adapter in session.adapters.values():
         adapter.close()
 
 
 def _why(e: requests.ConnectionError) -> str:
-    """Refused or reset: the OS's words from deep in the chain (requests wraps urllib3's error,
-    which wraps the socket's), not just the outer exception's class."""
+    """Refused or reset: the OS's words from deep in requests' chain of wrapped errors."""
     seen: set[int] = set()
     todo: list[BaseException] = [e]
     while todo:

@@ -9,9 +9,7 @@ from weightsync.net.server import HttpError
 
 __all__ = ["MAX_VERSION", "json_int"]
 
-MAX_VERSION = 2**63 - 1
-"""The largest weight version any route takes (a signed 64-bit integer, what every engine can
-store)."""
+MAX_VERSION = 2**63 - 1   # the largest weight version any route takes (every engine stores it)
 
 
 def json_int(value: Any, field: str, lo: int = 0, hi: int = MAX_VERSION) -> int:

@@ -1,15 +1,8 @@
-"""Shedding slow and hostile clients before they hold a service (used by `weightsync.net.server`).
-
-A client that has not yet shown a key is *unproven*. While it sends a request head:
-- its head bytes are capped (`HeadReader`: request line and headers together, 431 beyond),
-- the whole head has an absolute deadline (a client dripping one byte at a time is closed when
-  it passes, however often it sends), and
-- at most `max_heads` unproven heads are read at once: a new connection beyond that closes the
-  oldest unproven one (a legitimate client sends its head in milliseconds; only slow ones grow
-  old), so dripping connections never shut new clients out.
-A connection that passed the key check (or, on a service without a key, got an answer) is
-*proven*: its keep-alive waits for the next request under the usual idle timeout and it is never
-evicted, so slots stay available to authenticated clients."""
+"""Shedding slow and hostile clients before they hold a service (`weightsync.net.server`). A
+client that has not shown a key is *unproven*: its head bytes are capped (`HeadReader`), its head
+has an absolute deadline, and a new connection beyond `max_heads` unproven heads closes the oldest
+(only slow clients grow old). A connection that passed the key check (or, without a key, got an
+answer) is *proven*: it waits for its next request under the idle timeout and is never evicted."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""A server in a child process, the one starter under the reference engine's `EngineProcess`
-and vLLM's `VllmServer`: output to a log, its own session (so stopping it reaches the workers it
-forked), a start that waits for its health URL (bounded, failing at once when it exits), and a
-stop that is SIGTERM to its process group, then SIGKILL."""
+"""A server in a child process (the reference engine's `EngineProcess`, vLLM's `VllmServer`):
+output to a log, its own session, a bounded start that waits for its health URL, and a stop that
+is SIGTERM to its process group, then SIGKILL."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ START_STALL_ENV = "WEIGHTSYNC_START_STALL"       # seconds its log may stay sile
 
 
 def start_limits(timeout: float, stall: float) -> tuple[float, float]:
-    """An engine start's (timeout, stall): the environment's where set, so a user on a slow or
-    loaded machine raises them without a code change, else the launcher's defaults."""
+    """An engine start's (timeout, stall): the environment's where set, else these defaults."""
     return (float(os.environ.get(START_TIMEOUT_ENV) or timeout),
             float(os.environ.get(START_STALL_ENV) or stall))
 
@@ -68,9 +66,8 @@ class ServerProcess:
 
     def wait_healthy(self, url: str, timeout: float, verify: bool | str = True,
                      poll: float = 0.1, stall: float | None = None) -> None:
-        """Until GET `url` answers 200; a child that exits or a timeout stops it and raises.
-        With `stall` (and a log) the wait also ends when the child's log has not grown for
-        `stall` seconds: a start that still makes progress may take up to `timeout`."""
+        """Until GET `url` answers 200; a child that exits, a timeout, or (with `stall` and a
+        log) a log that did not grow for `stall` seconds stops it and raises."""
         assert self.proc is not None, "launch() first"
         start = moved = time.monotonic()
         size = self._log_size()
@@ -129,8 +126,7 @@ class ServerProcess:
 
 
 def group_alive(pgid: int) -> bool:
-    """Whether any process is still in process group `pgid` (Linux: /proc/<pid>/stat). A group
-    id is not reused while the group has members, so signalling it then reaches only them."""
+    """Whether any process is still in process group `pgid` (Linux: /proc/<pid>/stat)."""
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:

@@ -1,21 +1,10 @@
 """The HTTP server under every weightsync service (reference engine, fleet registry, peer
-source): the standard library's threading server, with the limits a service reachable from a
-network needs.
-
-- The API key is checked from the headers before any body is read; a body's Content-Length is
-  checked against the route's cap before anything is allocated (413), and the body is read in
-  chunks into memory that grows with what actually arrives (never allocated whole up front).
-- A request head has a byte cap and an absolute deadline, and clients that have not shown a key
-  cannot hold the service: the oldest slow head is closed when new clients arrive
-  (`weightsync.net.guard`). Every connection has a socket timeout (idle clients are dropped),
-  and the number of connections is capped (503 beyond it).
-- Any malformed request (bad header, non-ASCII key, bad JSON, bad length) is a 4xx, never a 500.
-- Keys come from the command line, an environment variable or a file; a server bound to a
-  non-loopback address without a key says so loudly at start.
-
-Routes are plain functions registered on a `Routes` table: `(handler, query) -> result`, where a
-dict result is sent as JSON, bytes as application/octet-stream, and a `Streamed` as binary
-written while its parts become available."""
+source): the standard library's threading server with the limits a networked service needs. The
+key is checked before any body is read, a body's length against the route's cap before anything
+is allocated (413), and bodies are read in chunks; heads are capped and have a deadline, and
+unproven slow heads are shed (`weightsync.net.guard`); connections are capped (503); any
+malformed request is a 4xx, never a 500. Routes are functions on a `Routes` table:
+`(handler, query) -> result`, sent as JSON (dict), octet-stream (bytes) or streamed (`Streamed`)."""
 
 from __future__ import annotations
 
@@ -125,11 +114,15 @@ class Handler(BaseHTTPRequestHandler):
             raise HttpError(400, f"Content-Length {n} is negative")
         return n
 
-    def read_body(self) -> memoryview:
-        """The request body: chunks as they arrive (memory follows what was sent), then one
-        buffer. At most the route's cap (checked before this is called)."""
+    def _take_length(self) -> int:
+        """The body's length, once: what is read after this is the route's."""
         n = self._length if hasattr(self, "_length") else self.body_length()
-        self._length = 0                 # read once
+        self._length = 0
+        return n
+
+    def read_body(self) -> memoryview:
+        """The request body, read in chunks (memory follows what arrives) into one buffer."""
+        n = self._take_length()
         if n == 0:
             return memoryview(b"")
         buf = bytearray()
@@ -141,11 +134,8 @@ class Handler(BaseHTTPRequestHandler):
         return memoryview(buf)
 
     def body_reader(self, gather: int = 0) -> BodyStream:
-        """The request body as a stream (`read_into(view)`), never past its Content-Length;
-        what is left unread is drained or the connection closed, as for a refused body."""
-        n = self._length if hasattr(self, "_length") else self.body_length()
-        self._length = 0
-        return BodyStream(self, n, gather)
+        """The request body as a stream (`read_into(view)`), never past its Content-Length."""
+        return BodyStream(self, self._take_length(), gather)
 
     def json_body(self) -> Any:
         raw = self.read_body()
@@ -157,8 +147,7 @@ class Handler(BaseHTTPRequestHandler):
             raise HttpError(400, f"request body is not JSON: {e}") from None
 
     def discard_body(self) -> None:
-        """Drain a refused request's body when it is small (the connection stays usable);
-        otherwise close the connection instead of reading it."""
+        """Drain a refused request's small body (the connection stays usable), else close."""
         n = getattr(self, "_length", 0) or 0
         if n <= 64 * 1024:
             try:
@@ -202,8 +191,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send(status, json.dumps({"error": f"{self.name}: {message}", **extra}).encode())
 
     def _refuse(self, status: int, message: str, **extra: Any) -> None:
-        """An error answer; a body the route left unread is drained (small) or the connection
-        closed, so the next request on it is not parsed out of that body."""
+        """An error answer, after draining a body the route left unread (or closing)."""
         if getattr(self, "_length", 0):
             self.discard_body()
         self.send_error_json(status, message, **extra)
@@ -321,9 +309,8 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type[Handler], max_connections: int = 64,
                  head_deadline: float = 10.0) -> None:
-        # threads are bounded by `slots`; unproven heads by the guard (which makes room by
-        # closing the oldest), so slow clients cannot take the slots of new ones. Set before
-        # binding: a port in use fails in super().__init__, which then closes the server.
+        # threads are bounded by `slots`, unproven heads by the guard; set before binding (a port
+        # in use fails in super().__init__, which then closes the server)
         self.slots = threading.BoundedSemaphore(4 * max_connections)
         self.max_connections = max_connections
         self.guard = HeadGuard(max_connections, head_deadline)
@@ -373,8 +360,7 @@ def make_server(routes: Routes, host: str, port: int, *, api_key: str | None, na
                 state: dict[str, Any] | None = None, max_connections: int = 64,
                 header_timeout: float = 15.0, body_timeout: float = 120.0,
                 head_deadline: float = 10.0) -> Server:
-    """A server for `routes`; `state` becomes attributes of the handler class (the engine, the
-    registry), so routes reach them as `h.engine`, `h.registry`."""
+    """A server for `routes`; `state` becomes attributes of the handler class (`h.engine`)."""
     attrs = {"routes": routes, "api_key": api_key, "name": name, "timeout": header_timeout,
              "body_timeout": body_timeout, **(state or {})}
     handler = type(f"{name.title().replace(' ', '')}Handler", (Handler,), attrs)
