@@ -6,12 +6,13 @@ hands out units of work, and each unit runs whole, in order, on one worker:
   servers) start once, not once on each worker that happens to get one of its tests.
 
 One group, `serial`: what must not overlap itself. The Ray clusters (three raylets each), the
-live vLLM servers (the vllm plugin, the TRL integration, the elastic-fleet test), the tests
-that build wheels and fresh virtual environments (several pips at once), and the tests whose
-leases, deadlines and kills are timed against another process (protocol, registry, catch-up,
-shm and disk_delta crash tests). It is the longest unit (about half the suite's time), so it
-goes out first and the other worker takes every other module meanwhile. (Split into three
-groups on three workers, the suite ran slower under load and a 3 s payload deadline failed.)
+live vLLM servers (the vllm plugin, the TRL integration, the elastic-fleet test, Megatron's
+push into vLLM), the tests that build wheels and fresh virtual environments (several pips at
+once), and the tests whose leases, deadlines and kills are timed against another process
+(protocol, registry, catch-up, shm and disk_delta crash tests). It is the longest unit (about
+half the suite's time), so it goes out first and the other worker takes every other module
+meanwhile. (Split into three groups on three workers, the suite ran slower under load and a
+3 s payload deadline failed.)
 
 The units come from `pytest_xdist_make_scheduler` below, not from `xdist_group` marks: with
 pytest 9.2 and pytest-xdist 3.8, `--dist loadgroup` ignores the marks (xdist tags a test's
@@ -34,7 +35,7 @@ GROUPS = {
                "tests/test_fleet.py", "tests/test_fleet_registry.py", "tests/test_protocol.py",
                "tests/test_catch_up.py", "core/tests/test_transport_shm.py",
                "plugins/disk_delta/tests/test_crash.py", "plugins/disk_delta/tests/test_agent_loop.py",
-               "plugins/nixl/tests/test_vllm.py"],
+               "plugins/nixl/tests/test_vllm.py", "plugins/megatron/tests/test_push_vllm.py"],
 }
 
 

@@ -21,28 +21,30 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attent
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6)
 
 
-def hf_config(arch: str) -> Any:
+def hf_config(arch: str, **sizes: Any) -> Any:
     """A tiny config: dense ones 4 layers (Qwen3 with tied embeddings), Qwen3-MoE 2 layers of 8
-    experts, top 2."""
+    experts, top 2. `sizes` override SMALL's (vLLM's CPU attention wants a head size of 32 or
+    more)."""
     import transformers as tr
+    small = {**SMALL, **sizes}
     if arch == "llama":
-        return tr.LlamaConfig(num_hidden_layers=4, tie_word_embeddings=False, **SMALL)
+        return tr.LlamaConfig(num_hidden_layers=4, tie_word_embeddings=False, **small)
     if arch == "qwen2":
-        return tr.Qwen2Config(num_hidden_layers=4, tie_word_embeddings=False, **SMALL)
+        return tr.Qwen2Config(num_hidden_layers=4, tie_word_embeddings=False, **small)
     if arch == "qwen3":
-        return tr.Qwen3Config(num_hidden_layers=4, tie_word_embeddings=True, **SMALL)
+        return tr.Qwen3Config(num_hidden_layers=4, tie_word_embeddings=True, **small)
     if arch == "qwen3_moe":
         return tr.Qwen3MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
                                  moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
-                                 norm_topk_prob=True, tie_word_embeddings=False, **SMALL)
+                                 norm_topk_prob=True, tie_word_embeddings=False, **small)
     raise ValueError(arch)
 
 
-def save_hf(arch: str, path: Path, seed: int) -> Path:
+def save_hf(arch: str, path: Path, seed: int, **sizes: Any) -> Path:
     """A randomly filled model (norms too, so a swapped norm shows) saved by save_pretrained, fp32."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch)).float()
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **sizes)).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))

@@ -7,8 +7,11 @@ across stages (the last stage's first rank writes the logits), push it into the 
 the `megatron` exporter (rank 0 then saves what the engine holds) and, with "negative", push again
 with gate and up joined naively (each shard's [gate; up] concatenated, then halved) as the next
 version; with "refused" (and exporter "options" naming the wrong architecture), push once and
-report what each rank was told. Prints one JSON line per rank and case with the bytes each kind of communication moved
-during the good push."""
+report what each rank was told. A case with "adapter": "vllm" and "engines" (a live vLLM server
+started as test_push_vllm.py does) pushes through the `vllm` adapter instead, and rank 0 reads
+back with vllm_probe.read_back (the held weights, the served logits, the weight version): before
+the push too when the case asks for "before". Prints one JSON line per rank and case with the
+bytes each kind of communication moved during the good push."""
 
 from __future__ import annotations
 
@@ -35,10 +38,16 @@ def counting(op, key):  # noqa: ANN001, ANN201
     return run
 
 
-def fetch(url: str, path: Path) -> None:
-    r = requests.get(url + "/weights", timeout=120)
+def fetch(case: dict, out: Path, tag: str, ids: torch.Tensor) -> None:
+    """What the case's engine holds now, saved as `<case>.<tag>.safetensors` (checkpoint names)."""
+    if case.get("adapter") == "vllm":
+        from vllm_probe import read_back           # next to this script (its folder is sys.path[0])
+        vocab = json.loads((Path(case["hf"]) / "config.json").read_text())["vocab_size"]
+        read_back(case["engines"][0], out / f"{case['name']}.{tag}", ids, vocab)
+        return
+    r = requests.get(case["url"] + "/weights", timeout=120)
     r.raise_for_status()
-    path.write_bytes(r.content)
+    (out / f"{case['name']}.{tag}.safetensors").write_bytes(r.content)
 
 
 def naive_join(real):  # noqa: ANN001, ANN201
@@ -70,8 +79,12 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
             ps.get_data_parallel_rank() == 0:
         save_file({"logits": logits[..., :vocab].contiguous()}, str(out / f"{case['name']}.logits.safetensors"))
     options = {"hf_config": case["hf"], "bucket_bytes": 65536, **case.get("options", {})}
-    cfg = {"engines": [{"url": case["url"]}], "sync": {"progress": "off"},
+    cfg = {"engines": case.get("engines") or [{"url": case["url"]}], "sync": {"progress": "off"},
            "exporter": {"kind": "megatron", "options": options}}
+    if case.get("adapter"):
+        cfg["adapter"] = case["adapter"]
+    if case.get("before") and rank == 0:
+        fetch(case, out, "before", ids)
     if case.get("refused"):                        # a model the exporter's table does not fit
         with WeightSync.from_config(cfg) as sync:
             try:
@@ -80,7 +93,7 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
             except Exception as e:  # noqa: BLE001 - what each rank was told is the result
                 said = f"{type(e).__name__}: {e}"
         if rank == 0:
-            fetch(case["url"], out / f"{case['name']}.after.safetensors")
+            fetch(case, out, "after", ids)
         print(json.dumps({"case": case["name"], "rank": rank, "refused": said}), flush=True)
         dist.barrier()
         ps.destroy_model_parallel()
@@ -95,7 +108,7 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
         report = sync.push([model], version=case["version"])   # the chunk list, as Megatron keeps it
         moved = dict(TRAFFIC)
         if rank == 0:
-            fetch(case["url"], out / f"{case['name']}.pushed.safetensors")
+            fetch(case, out, "pushed", ids)
         if case.get("negative"):
             real = move.to_hf
             move.to_hf = naive_join(real)
@@ -104,7 +117,7 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
             finally:
                 move.to_hf = real
             if rank == 0:
-                fetch(case["url"], out / f"{case['name']}.negative.safetensors")
+                fetch(case, out, "negative", ids)
     print(json.dumps({"case": case["name"], "rank": rank, "ok": report.ok, "verified": report.verified,
                       **moved}), flush=True)
     del model
