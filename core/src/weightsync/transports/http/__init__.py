@@ -1,7 +1,5 @@
-"""Transport `http`, both halves: the trainer's sending half (`sending`), its relay shapes
-(`relay` for members that take bodies in requests, `fetch` for members that fetch them by
-reference), the member halves that engines embed (`member_relay`, `member_fetch`, `landing`) and
-what both sides agree on (`pieces`)."""
+"""Transport `http`: the trainer's sending half (`sending`) and relay shapes (`relay`, `fetch`),
+the member halves engines embed (`member_relay`, `member_fetch`, `landing`), and `pieces`."""
 
 from weightsync.transports.http.messages import ExpectRelay, FetchPayload, RelayOutcome
 

@@ -1,17 +1,10 @@
-"""The trainer's half of the `http` transport's fetch relays: the chain and tree shapes for
-engines that fetch their payload bodies by reference (`Adapter.relay_source`; vLLM's weightsync
-backend) instead of taking them in the request.
-
-Per bucket the trainer plans the same tree as for pushing members (`relay.tree`: one root, each
-member feeds `degree` others), publishes the body on its own body server once for the root, and
-hands every member (over that member's own authenticated channel, a `FetchPayload` message) where to
-fetch it: the root from the trainer, every other member from its parent's body server under an
-id and token the trainer chose for this bucket; with it the digest of every piece, which the
-member checks before it keeps or passes on a piece, and a fallback reference to the trainer's
-copy that only this member holds. A member whose parent dies, stalls or sends a piece that does
-not match takes the rest from the trainer and says why in that request; a parent named as
-having sent bad bytes fails the push for itself. The member's half is
-`weightsync.transports.http.member_fetch`."""
+"""The trainer's half of the `http` transport's fetch relays: the chain and tree shapes for engines
+that fetch payload bodies by reference (`RelaysFetches`: vLLM's backend). Per bucket the trainer
+plans the tree, publishes the body once for the root, and tells every member (`FetchPayload`)
+where to fetch it (its parent's body server), the digest of every piece, and a fallback to the
+trainer's copy that only it holds: a member whose parent dies, stalls or sends a bad piece takes
+the rest from the trainer and says why; a parent that sent bad bytes fails the push for itself.
+The member's half is `weightsync.transports.http.member_fetch`."""
 
 from __future__ import annotations
 
@@ -27,24 +20,20 @@ from weightsync.interfaces import Adapter, Payload, RelaysFetches
 from weightsync.interfaces.capabilities import group_ranks
 from weightsync.transports.http.messages import FetchPayload
 from weightsync.transports.http.pieces import piece_digests
-from weightsync.transports.http.strikes import Relaying
+from weightsync.transports.http.strikes import Relaying, order
 
 log = logging.getLogger("weightsync.transport.pull")
 
 
-def depths(kids: Mapping[str, list[str]], root: str) -> dict[str, int]:
-    out, todo = {root: 0}, [root]
-    while todo:
-        n = todo.pop(0)
-        for c in kids.get(n, []):
-            out[c] = out[n] + 1
-            todo.append(c)
+def depths(kids: dict[str, list[str]], root: str) -> dict[str, int]:
+    out = {root: 0}
+    for n in order(kids, root):
+        out.update((c, out[n] + 1) for c in kids.get(n, []))
     return out
 
 
 class FetchRelays(Relaying):
-    """The fetch relays of one transport: its body server, the plan per bucket, and what went
-    around the tree (`events`: members that took bytes from the trainer, and why)."""
+    """The fetch relays of one transport: its body server and the plan per bucket."""
 
     def __init__(self, degree: int, piece_bytes: int, stall: float, host: str,
                  advertise: str | None, timeout: float) -> None:
@@ -55,8 +44,7 @@ class FetchRelays(Relaying):
 
     def push(self, payload: Payload, body: Any, members: Sequence[Adapter],
              left: Callable[[], float]) -> dict[str, BaseException]:
-        """One bucket through the tree over `members`; returns the members that failed (their
-        own fetch, or as a relay that passed on bytes that do not match)."""
+        """One bucket through the tree over `members`; returns the members that failed."""
         fails: dict[str, BaseException] = {}
         sources: dict[str, str] = {}
         for a in members:                # where each member offers what it fetched

@@ -1,16 +1,9 @@
-"""Where a relayed body's bytes landed, and their piece-by-piece check as they land.
-
-A relay member that can stage a bucket as it arrives (`ReceiveSession.streams`: raw or cast
-bytes, CPU staging) reads the body straight into its staging buffers, so the bytes it forwards
-to its children live in several places: the safetensors prefix and header in small buffers, each
-tensor's data in its staging tensor. `Spans` maps body offsets to those places (without copying)
-so a child's feed can send any piece from where it lies; `Landing` wraps the request's
-`read_into`, hashes every piece as its bytes land (still in cache) and, once a piece is whole,
-checks it against the digest the trainer announced before any child is told it may be sent.
-
-Only memory that keeps its bytes is forwarded from where it lies: a staging tensor's, or the
-body buffer the caller owns. Bytes read into anything else (a small header buffer, the scratch a
-refused body is drained through, which the next read overwrites) are copied first."""
+"""Where a relayed body's bytes landed, and their piece-by-piece check as they land. A relay member
+that stages as it receives reads the body straight into its staging buffers, so its bytes lie in
+several places: `Spans` maps body offsets to them (no copy) so a child's feed sends any piece from
+where it lies; `Landing` wraps `read_into`, hashes each piece as it lands and checks it before any
+child may send it. Only memory that keeps its bytes (staging tensors, the caller's body buffer)
+is forwarded in place; bytes read into anything else are copied first."""
 
 from __future__ import annotations
 
@@ -31,9 +24,8 @@ def address(view: memoryview) -> int:
 
 
 class Spans:
-    """A body of `nbytes` bytes as the runs of memory its bytes landed in, by body offset. Each
-    run keeps the object that owns its memory alive (a staging tensor's array, a header buffer),
-    so a feed still sending a piece never reads freed memory."""
+    """A body of `nbytes` bytes as the runs of memory its bytes landed in, by body offset; each
+    run keeps the object owning its memory alive."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -44,8 +36,7 @@ class Spans:
         return self.nbytes
 
     def add(self, at: int, view: memoryview) -> int:
-        """Bytes [at, at + len(view)) of the body now lie in `view` (non-empty), whose address
-        is returned; a run that continues the last one in memory is merged into it."""
+        """Bytes [at, at + len(view)) now lie in `view`, whose address is returned."""
         n = len(view)
         where = address(view)
         last = self.runs[-1] if self.runs else None
@@ -80,11 +71,9 @@ class Spans:
 
 
 class Landing:
-    """`read_into` for a relayed body that checks it piece by piece as it lands: `check(k,
-    digest)` runs when piece k is whole (it raises to stop the body: tampered, or the member gave
-    up on the relay), then `ready(a, b)` lets the feeds send bytes [a, b). A body that ends early
-    is an error naming `what`. After an error every further read raises it again, so nothing
-    more is read, checked or forwarded. `owned`: a body buffer of the caller's, never reused."""
+    """`read_into` for a relayed body that checks it as it lands: `check(k, digest)` when piece k
+    is whole (raising stops the body), then `ready(a, b)` lets the feeds send bytes [a, b). After
+    an error every read raises it again. `owned`: a body buffer of the caller's, never reused."""
 
     def __init__(self, read_into: Callable[[memoryview], int], nbytes: int, piece_bytes: int,
                  check: Callable[[int, str], None], ready: Callable[[int, int], None],

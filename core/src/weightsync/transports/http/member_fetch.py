@@ -1,15 +1,9 @@
-"""The member half of the `http` transport's fetch relays, for receivers that fetch their payload
-bodies by reference (vLLM's weightsync backend fetches them from a body server).
-
-A member fetches a bucket from the member above it (the root: from the trainer), checks every
-piece against the digests the trainer announced for this round before it keeps it, and offers
-the checked pieces on its own body server to the members it feeds while later pieces still
-arrive. A parent that dies, stalls (no byte for `stall` seconds) or sends a piece that does not
-match: the member fetches the rest of the body from the trainer, through a reference the
-trainer gave this member alone, and says why in that request. Its own children keep reading
-from it all the while, so one bad relay costs its subtree neither bytes from the trainer nor
-the version. The trainer's half is `weightsync.transports.http.fetch`; the piece digests are
-`weightsync.transports.http.pieces`."""
+"""The member half of the `http` transport's fetch relays (the trainer's is
+`weightsync.transports.http.fetch`). A member fetches a bucket from the member above it (the root:
+from the trainer), checks every piece against the trainer's digests before it keeps it, and offers
+checked pieces on its own body server to its children while later pieces still arrive. A parent
+that dies, stalls or sends a bad piece: the member fetches the rest from the trainer (through a
+reference only it holds) and says why; its children keep reading from it all the while."""
 
 from __future__ import annotations
 
@@ -73,8 +67,8 @@ class Pulled:
 
 def fetch_body(ref: Mapping[str, Any], spec: FetchSpec, server: BodyServer | None, *, max_bytes: int,
          timeout: float) -> Pulled:
-    """Fetch one bucket through the relay tree (see the module docstring). `ref` is where the
-    parent offers it; `server` is where this member offers it on (None: it feeds no one)."""
+    """Fetch one bucket through the relay tree from `ref` (the parent's offer), offering it on
+    `server` (None: this member feeds no one)."""
     n = int(ref.get("nbytes", -1))
     if not 0 <= n <= max_bytes:
         raise PayloadError(f"a relayed body of {ref.get('nbytes')} bytes is outside this "

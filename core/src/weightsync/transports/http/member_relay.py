@@ -1,31 +1,14 @@
 """A member that passes payloads on (the `http` transport's chain and tree shapes), engine side.
 
-The trainer first tells each member, over the member's own authenticated channel, what bucket
-`index` will be: its header, the digest of every piece, its parent, who this member feeds (each
-child's relay URL, round id and relay token) and a key for signing its answer (`Desk.expect`).
-The bytes then arrive from the parent (`relay`): every piece is checked against the announced
-digest before it is forwarded to the children or kept; a piece that does not match stops the
-bucket here (nothing of it is staged or forwarded further) and the answer, signed, says the
-parent tampered. Each child is fed on its own thread while later pieces still arrive, so the
-bucket moves down the tree a piece behind each hop, not a bucket. Where the session can stage a
-body as it arrives (raw or cast bytes: `ReceiveSession.streams`), the bytes land straight in the
-staging buffers and the children are fed from there (`landing`): no body buffer, no
-staging copy, and no member saves its staging for the bucket's end. Otherwise the body is read
-whole and then staged like any payload (`ReceiveSession.apply`: signature, decode, digest).
-
-A relay that stages as it receives holds the bucket in the session until it ends. When the
-trainer gives up on it (a stall) and sends the bucket itself, or the round ends, the relay's
-connection is shut (`Desk.supersede`, `Desk.close`) and the direct copy waits until the relay
-has let go of the bucket: two writers never stage one bucket.
-
-The trainer asks every member for its answer over that member's own channel (`Desk.answer`, a
-long poll), never through the tree: a relay that dies, stalls or lies cannot hide or forge a
-descendant's outcome. A member whose parent sends nothing for `stall` seconds (no piece, or no
-request at all) gives up on the relay and answers so at once, and the trainer feeds it directly.
-
-What a relay learns: the payload (which it receives anyway), and per child a URL, a round id and
-a relay token that lets it post payload bytes to that child in this round only. It never sees a
-child's API key or answer key, and bytes it changes are refused by the next hop."""
+The trainer first tells each member over its own authenticated channel what bucket `index` will
+be: header, the digest of every piece, parent, children (relay URL, round id, relay token) and an
+answer key (`Desk.expect`). The bytes then arrive from the parent (`relay`): each piece is checked
+against its digest before it is forwarded or kept, so a tampered piece stops the bucket here and
+the signed answer names the parent. Children are fed on their own threads a piece behind; where
+the session stages as it receives (`ReceiveSession.streams`), bytes land straight in staging
+(`landing`). The trainer asks every member for its outcome over the member's own channel
+(`Desk.answer`), never through the tree, and feeds directly a member whose parent stalls; a relay
+staging a bucket is stopped (`Desk.supersede`, `Desk.close`) before a direct copy stages it."""
 
 from __future__ import annotations
 
@@ -48,9 +31,8 @@ from weightsync.receive.staging import read_exact
 __all__ = ["RELAY_HEADER", "Desk", "Expectation", "Feed", "Tampered", "relay"]
 
 RELAY_HEADER = "X-Weightsync-Relay"
-# Relayed buckets are staged on long-lived threads: each relay arrives on a connection (and so a
-# server thread) of its own, and a fresh thread's allocator arena makes a bucket's decode several
-# times dearer (cold pages) than on a thread that staged buckets before
+# relayed buckets are staged on long-lived threads: a fresh server thread's allocator arena makes
+# a bucket's decode several times dearer (cold pages)
 _STAGER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-relay-stage")
 _END = object()
 log = logging.getLogger("weightsync.relay")
@@ -136,21 +118,22 @@ class Desk:
         """The parent delivered a piece (or began its request); raises once the trainer was
         told this member gave up on the relay (it feeds the member itself)."""
         with self.cond:
-            if e.outcome is not None:
-                raise PayloadError(f"bucket {e.index}: this member already answered "
-                                   f"({e.outcome.get('error') or e.outcome.get('status')}); "
-                                   f"the relayed bytes are dropped")
+            self._open(e)
             e.moved, e.pieces_in = time.monotonic(), pieces_in
 
     def start(self, e: Expectation, cancel: Callable[[], None] | None) -> None:
-        """A relay that stages as it receives begins: from now until `release` the session
-        holds the bucket, and `cancel` stops the relay (its connection is shut)."""
+        """A relay that stages as it receives begins: until `release` the session holds the
+        bucket, and `cancel` stops the relay (its connection is shut)."""
         with self.cond:
-            if e.outcome is not None:
-                raise PayloadError(f"bucket {e.index}: this member already answered "
-                                   f"({e.outcome.get('error') or e.outcome.get('status')}); "
-                                   f"the relayed bytes are dropped")
+            self._open(e)
             e.moved, e.busy, e.cancel = time.monotonic(), True, cancel
+
+    @staticmethod
+    def _open(e: Expectation) -> None:
+        if e.outcome is not None:
+            raise PayloadError(f"bucket {e.index}: this member already answered "
+                               f"({e.outcome.get('error') or e.outcome.get('status')}); "
+                               f"the relayed bytes are dropped")
 
     def release(self, e: Expectation) -> None:
         with self.cond:
@@ -158,8 +141,7 @@ class Desk:
             self.cond.notify_all()
 
     def close(self, wait: float = 10.0) -> None:
-        """The round ends: every relay still staging as it receives is stopped and let go of
-        its bucket (bounded by `wait`) before the session closes."""
+        """The round ends: every relay still staging is stopped and lets go of its bucket."""
         with self.cond:
             busy = [e for e in self.expected.values() if e.busy]
             for e in busy:
@@ -187,10 +169,9 @@ class Desk:
             self.cond.notify_all()
 
     def supersede(self, index: Any, wait: float = 60.0) -> None:
-        """The trainer sends bucket `index` itself: a relay of it that has not received every
-        piece is dropped (its long poll answers at once; one staging as it receives is stopped
-        and let go of the bucket first); one that has is waited for, so the two never stage
-        the bucket at the same time (the direct copy then finds it staged)."""
+        """The trainer sends bucket `index` itself: a relay of it still missing pieces is dropped
+        (and stopped if it stages); one that has every piece is waited for, so the two never
+        stage the bucket at the same time."""
         cancel = None
         with self.cond:
             e = self.expected.get(index) if isinstance(index, int) else None
@@ -207,8 +188,7 @@ class Desk:
             self.cond.wait_for(lambda: e.outcome is not None and not e.busy, timeout=wait)
 
     def answer(self, index: Any, wait: float) -> dict[str, Any]:
-        """This member's outcome for bucket `index` (signed when it holds the bucket or caught
-        its parent tampering), once there is one, or a stall, or after `wait` seconds."""
+        """This member's outcome for bucket `index`, once there is one, a stall, or `wait`s."""
         e = self.get(index)
         end = time.monotonic() + max(0.0, wait)
         with self.cond:
@@ -239,8 +219,7 @@ class Feed:
         return sum(len(p) for p in self.prefix) + len(self.body)
 
     def piece(self, a: int, b: int) -> Any:
-        """The bytes sent for piece [a, b): views of where they lie, or one bytes-like (a test
-        engine overrides this to tamper or stall)."""
+        """The bytes sent for piece [a, b) (a test engine overrides this to tamper or stall)."""
         return self.body.parts(a, b)
 
     def __iter__(self):  # noqa: ANN204
@@ -277,9 +256,8 @@ class Feed:
 def relay(session: Any, desk: Desk, header: Mapping[str, Any],
           read_into: Callable[[memoryview], int], nbytes: int,
           cancel: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Receive one forwarded payload (see the module docstring): check, forward, stage; the
-    outcome goes to `desk` for the trainer's long poll. `cancel` shuts this request's
-    connection (a relay that stages as it receives is stopped with it)."""
+    """Receive one forwarded payload: check, forward, stage; the outcome goes to `desk` for the
+    trainer's long poll. `cancel` shuts this request's connection."""
     e = desk.get(header.get("index"))
     if dict(header) != e.header or nbytes != e.nbytes:
         err = Tampered(f"relay refused: bucket {e.index}'s header from relay {e.parent} is not "
@@ -307,8 +285,7 @@ def relay(session: Any, desk: Desk, header: Mapping[str, Any],
 
 def _carry(session: Any, desk: Desk, e: Expectation, read_into: Callable[[memoryview], int],
            nbytes: int, streams: bool) -> str:
-    """Read, check and pass on every piece (each child fed on its own thread), and stage the
-    body: as it lands where the session streams it, else once it is whole."""
+    """Read, check and pass on every piece, and stage the body (as it lands, or once whole)."""
     feeds: list[Feed] = []
 
     def check(k: int, got: str) -> None:

@@ -1,6 +1,5 @@
-"""The messages of transport `http` beyond the payload POST itself (`Adapter.deliver`), for its
-relay shapes: a relayed bucket is expected, its outcome asked for, and a payload fetched by
-reference. Only adapters whose engines relay (`RelaysPayloads`, `RelaysFetches`) get them."""
+"""The messages of transport `http` beyond the payload POST, for its relay shapes (only adapters
+that relay, `RelaysPayloads` and `RelaysFetches`, get them)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""What the trainer and its members agree on when members pass a payload on (relay shapes of the
-`http` transport): the xxh3 digest of every `piece_bytes` slice of a payload body, which the
-trainer announces to each member over that member's own authenticated channel before the bytes
-arrive through a relay, and the acknowledgement a member signs with a key only it and the
-trainer hold (the trainer asks each member over its own channel; the signature is a second
-line of defence)."""
+"""What the trainer and its relaying members agree on: the xxh3 digest of every `piece_bytes`
+slice of a payload body (announced to each member over its own channel before the bytes arrive),
+and the acknowledgement a member signs with a key only it and the trainer hold."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""The trainer's half of the `http` transport's relay shapes (chain, tree): per bucket, plan
-who feeds whom, announce the bucket to every member over its own channel, send the bytes to the
-root only, ask every member for its own signed outcome (over its own channel, never through the
-tree), and feed every member that lacks the bucket (a dead or stalled relay above it, bytes it
-refused) straight from the bucket the trainer still holds, as soon as it says so. The engine's half is
-`weightsync.transports.http.member_relay`; the agreement between them is `weightsync.transports.http.pieces`.
-
-One root, not `degree` roots: every copy that leaves the trainer costs its link a model's
-bytes, and the trainer's link is what the shapes exist to spare (trainer egress ~1 x the model).
-Degree 1 is the chain: every member's link carries one copy in and one out, so the push takes
-about one copy's time plus a piece per hop. A tree of degree d has log_d(N) hops but its inner
-members send d copies each, so it is slower wherever links, not hops, are the limit."""
+"""The trainer's half of the `http` transport's relay shapes (chain, tree): per bucket, plan who
+feeds whom, announce the bucket to every member over its own channel, send the bytes to the root
+only, ask every member for its own signed outcome (never through the tree), and feed directly
+every member that lacks the bucket. One root, not `degree`: the trainer's link, which the shapes
+spare, sends one copy. The engine's half is `weightsync.transports.http.member_relay`."""
 
 from __future__ import annotations
 
@@ -93,10 +86,8 @@ class Relays(Relaying):
     def push(self, payload: Payload, body: Any, members: list[Adapter],
              post: Callable[[Adapter, Any, float], Any], direct: Callable[[Adapter], None],
              left: Callable[[], float]) -> dict[str, BaseException]:
-        """One bucket through the tree over `members` (see the module docstring): every member
-        is asked for its own outcome, and one that lacks the bucket is fed directly as soon as
-        it says so. Returns the members that could not be fed at all, and relays that
-        forwarded tampered bytes."""
+        """One bucket through the tree over `members`; returns the members that could not be fed
+        at all, and relays that forwarded tampered bytes."""
         by = {a.engine_name: a for a in members}
         pieces = piece_digests(body, self.piece_bytes)
         kids = self.plan(list(by))
@@ -178,11 +169,10 @@ class Relays(Relaying):
     def _feed_root(self, payload: Payload, body: Any, root: Adapter,
                    post: Callable[[Adapter, Any, float], Any], left: Callable[[], float]
                    ) -> str | None:
-        """The one copy that leaves the trainer. A root that answered (even with a refusal)
-        tells the trainer itself what it lacks; one that could not be reached: why."""
-        t = relay_target(root)
+        """The one copy that leaves the trainer; None, or why the root could not be reached (one
+        that answered, even with a refusal, tells the trainer itself what it lacks)."""
         try:
-            assert t is not None                # `send` relays only members that have one
+            t = _target(root)
             headers = {**t.headers, RELAY_HEADER: self._secret(self.tokens, root.engine_name),
                        "Content-Type": "application/octet-stream"}
             post(root, dict(url=t.url, data=Parts(frame(payload.header(), body)),
@@ -196,8 +186,8 @@ class Relays(Relaying):
             return None
 
     def _answer(self, member: Adapter, index: int, left: Callable[[], float]) -> Mapping[str, Any]:
-        """The member's own outcome, asked over its own channel (a relay cannot hide it); the
-        wait leaves time for a direct send."""
+        """The member's own outcome, asked over its own channel; the wait leaves time for a
+        direct send."""
         wait = max(0.05, left() - self.reserve(left()))
         got = member.deliver(RelayOutcome({"index": index, "wait": wait}, wait=wait + 10))
         return got if isinstance(got, Mapping) else {}

@@ -1,14 +1,8 @@
-"""Which members may relay (the `http` transport's chain and tree shapes, push or fetch).
-
-A member that stalled feeding a child, or whose child refused what it forwarded, costs its
-subtree a `stall` (or a refusal) on every bucket it is planned to feed. So after the first such
-bucket of a push it is planned as a leaf for the rest of the push, and it sits out relaying the
-next pushes too: one push after its first strike, then twice as many after each further strike
-(at most `MAX_BENCH`). A push in which it relayed without a strike clears its record.
-
-The plan puts the relays that may relay in the tree (breadth first, as before) and hangs each
-benched member under one of them as a leaf, deepest first, so a benched member still takes its
-copy through the tree (the trainer's link sends one copy either way)."""
+"""Which members may relay (the `http` transport's chain and tree shapes, push or fetch). A member
+that stalled feeding a child, or whose child refused what it forwarded, is planned as a leaf for
+the rest of the push and sits out relaying the next pushes: one after its first strike, twice as
+many after each further one (at most `MAX_BENCH`); a clean relaying push clears its record.
+Benched members hang under the relays as leaves, deepest first."""
 
 from __future__ import annotations
 
@@ -22,15 +16,13 @@ MAX_BENCH = 16        # pushes a member sits out at most, however often it misbe
 
 
 def tree(names: Sequence[str], degree: int) -> dict[str, list[str]]:
-    """Children per member: names[0] is the root, member k feeds members k*d+1 .. k*d+d
-    (breadth first, so the tree is as shallow as the degree allows)."""
+    """Children per member, breadth first: names[0] is the root, member k feeds k*d+1 .. k*d+d."""
     return {n: [names[c] for c in range(k * degree + 1, min(len(names), k * degree + degree + 1))]
             for k, n in enumerate(names)}
 
 
 def plan(names: Sequence[str], degree: int, leaves: Collection[str] = ()) -> dict[str, list[str]]:
-    """The tree over `names` with every one of them in `leaves` hung under a relay as a leaf.
-    Only when every member is benched do they form the tree themselves."""
+    """The tree over `names`, those in `leaves` hung under a relay (unless every one is)."""
     out = set(leaves)
     relays = [n for n in names if n not in out]
     benched = [n for n in names if n in out]
@@ -55,8 +47,7 @@ def order(kids: dict[str, list[str]], root: str) -> list[str]:
 
 
 class Strikes:
-    """Members planned as leaves: this push's (`demote`) and those still benched from earlier
-    pushes, with what each did (the report's remark)."""
+    """Members planned as leaves: this push's (`demote`) and those benched from earlier ones."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -68,8 +59,7 @@ class Strikes:
         self.relayed: set[str] = set()         # members that fed a child this push
 
     def open(self) -> None:
-        """A new push: the benched sit this one out; a member that relayed the last push
-        without a strike starts clean."""
+        """A new push: the benched sit it out; a clean relay of the last push starts clean."""
         with self.lock:
             for n in self.relayed - self.struck - set(self.bench):
                 self.count.pop(n, None)
@@ -88,8 +78,7 @@ class Strikes:
             self.relayed.update(names)
 
     def demote(self, name: str, why: str) -> bool:
-        """`name` misbehaved as a relay: a leaf for the rest of this push, benched for later
-        ones. False if it was a leaf already (one strike per push)."""
+        """`name` misbehaved as a relay: a leaf now, benched later; False if a leaf already."""
         with self.lock:
             if name in self.now:
                 return False
@@ -116,8 +105,7 @@ class Strikes:
 
 
 class Relaying:
-    """What both relay shapes (push and fetch) keep across a transport's pushes: the tree's
-    degree, the strikes, and what went around the tree (`events`, each also logged to `log`)."""
+    """What both relay shapes keep across pushes: degree, strikes, and `events` (also logged)."""
 
     def __init__(self, degree: int, piece_bytes: int, stall: float, log: logging.Logger) -> None:
         self.degree, self.piece_bytes, self.stall, self.log = degree, piece_bytes, stall, log
