@@ -21,7 +21,7 @@ from weightsync import WeightSync
 from weightsync.fleets.client import RegistryClient, RegistryError
 from weightsync.net.process import ServerProcess
 from weightsync.net.server import free_port
-from weightsync.sync.pipeline import held_by_most
+from weightsync.sync.report import held_by_most
 from weightsync.testing.sample import perturb, sample_state_dict, write_weights_only_model
 from weightsync.testing.waiting import fleet_member as member
 from weightsync.testing.waiting import wait_for

@@ -111,6 +111,10 @@ class SyncSettings(BaseModel):
     hmac_key_file: str | None = Field(None, description=(
         "a key shared with the engines: every payload is signed, and engines holding the key "
         "refuse unsigned or forged ones (also $WEIGHTSYNC_HMAC_KEY)"))
+    senders: Literal["rank0", "all"] = Field("rank0", description=(
+        "who sends in a multi-rank trainer: rank0 (every tensor reaches rank 0, which sends it) "
+        "or all (each rank sends the buckets it owns; rank 0 runs the round and checks every "
+        "rank's digests)"))
     failure_policy: Literal["raise", "continue"] = "raise"
     progress: Literal["auto", "on", "off"] = "auto"
     max_inflight_buckets: int = Field(2, ge=1, le=8)

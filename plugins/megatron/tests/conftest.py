@@ -128,6 +128,9 @@ DENSE = ["llama", "qwen2", "qwen3"]                       # at TP2xPP2; llama wi
 MOE_LAYOUTS = {"pp2_ep2": dict(tp=1, pp=2, ep=2, etp=1), "tp2_ep2_etp1": dict(tp=2, pp=1, ep=2, etp=1),
                "tp2_ep2_etp2": dict(tp=2, pp=1, ep=2, etp=2), "tp2_pp2": dict(tp=2, pp=2, ep=1, etp=1)}
 MOE_NEGATIVE = "tp2_ep2_etp2"
+SPREAD = {"spread_llama_tp2_pp2": ("llama", 10, dict(tp=2, pp=2, ep=1, etp=1)),
+          "spread_tp2_ep2_etp2": ("qwen3_moe", 20, MOE_LAYOUTS["tp2_ep2_etp2"]),
+          "spread_pp2_ep2": ("qwen3_moe", 21, MOE_LAYOUTS["pp2_ep2"])}
 
 
 @pytest.fixture(scope="session")
@@ -153,6 +156,9 @@ def pushed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[st
             cases.append(dict(name=name, hf=str(hf["qwen3_moe"]), url=engines["qwen3_moe"].url,
                               version=version, negative=name == MOE_NEGATIVE, **layout))
             version += 2 if name == MOE_NEGATIVE else 1
+        for name, (arch, version, layout) in SPREAD.items():   # every rank sends its own part
+            cases.append(dict(name=name, hf=str(hf[arch]), url=engines[arch].url, version=version,
+                              senders="all", **layout))
         rows = launch({"out": str(tmp), "ids": IDS, "cases": cases}, tmp)
     finally:
         for e in engines.values():

@@ -1,7 +1,7 @@
 """One trainer rank of the Megatron push tests (run as a process per rank, gloo, env:// rendezvous).
 
 argv[1]: a JSON file {"out": dir, "ids": [[token ids]], "cases": [{"name", "hf", "tp", "pp", "ep",
-"etp", "url", "version", "negative"}]}. For each case, in the same process group: initialize
+"etp", "url", "version", "negative", "senders"}]}. For each case, in the same process group: initialize
 Megatron's parallel state, build and load the model from the HF checkpoint, run the forward
 across stages (the last stage's first rank writes the logits), push it into the case's engine with
 the `megatron` exporter (rank 0 then saves what the engine holds) and, with "negative", push again
@@ -79,7 +79,8 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
             ps.get_data_parallel_rank() == 0:
         save_file({"logits": logits[..., :vocab].contiguous()}, str(out / f"{case['name']}.logits.safetensors"))
     options = {"hf_config": case["hf"], "bucket_bytes": 65536, **case.get("options", {})}
-    cfg = {"engines": case.get("engines") or [{"url": case["url"]}], "sync": {"progress": "off"},
+    cfg = {"engines": case.get("engines") or [{"url": case["url"]}],
+           "sync": {"progress": "off", "senders": case.get("senders", "rank0")},
            "exporter": {"kind": "megatron", "options": options}}
     if case.get("adapter"):
         cfg["adapter"] = case["adapter"]
@@ -119,7 +120,7 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
             if rank == 0:
                 fetch(case, out, "negative", ids)
     print(json.dumps({"case": case["name"], "rank": rank, "ok": report.ok, "verified": report.verified,
-                      **moved}), flush=True)
+                      "senders": report.senders, "wire": report.wire_bytes, **moved}), flush=True)
     del model
     dist.barrier()
     ps.destroy_model_parallel()

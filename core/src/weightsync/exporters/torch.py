@@ -17,9 +17,10 @@ import re
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.wire.bucket import Bucket, pack
+from weightsync.wire.bucket import Bucket, assign_buckets, pack, pack_owned
 from weightsync.config import ByteSize
 from weightsync.interfaces import Exporter, NameMap
 from weightsync.exporters import layout, lora
@@ -171,3 +172,56 @@ class TorchExporter(Exporter):
 
     def buckets(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
         return pack(self._mapped(model, name_map), self.options.bucket_bytes)
+
+    spreads = True
+
+    def owned(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
+        """`senders: all`: the plan's outputs split among the ranks in runs of about equal bytes
+        (one source's tensors stay together); every rank gets every tensor (sharded sources
+        all-gathered, as with `every_rank`) and sends only its own."""
+        import torch.distributed as dist
+        plan = self.plan(model)
+        if plan is None:
+            raise ValueError("sync.senders: all needs a module or a state dict (an iterator of "
+                             "tensors cannot be planned); push one, or use senders: rank0")
+        if self.options.expect_names_from:
+            self.check(model, plan, name_map)
+        on = dist.is_available() and dist.is_initialized()
+        me, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        try:
+            entries = _owners(plan, name_map, world)
+            failed = None
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it (below)
+            entries, failed = [], e
+        if on:      # one 16-byte all-gather: a rank that could not plan stops every rank here
+            mine = xxhash.xxh3_128(repr(entries).encode()).digest() if failed is None else bytes(16)
+            dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            every = [torch.empty(16, dtype=torch.uint8, device=dev) for _ in range(world)]
+            dist.all_gather(every, torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(dev))
+            differ = [r for r, t in enumerate(every) if not torch.equal(t, every[me])]
+            if failed is None and differ:
+                raise ValueError(f"trainer ranks {differ} planned another export than rank {me} "
+                                 f"(or could not plan theirs: see their error)")
+        if failed is not None:
+            raise failed
+        named = ((n, t) for name, tensor in stream(plan, self.options.bucket_bytes, every_rank=True)
+                 for n, t in (name_map(name, tensor) if name_map else ((name, tensor),)))
+        return pack_owned(named, assign_buckets(entries, self.options.bucket_bytes), me)
+
+
+def _owners(plan: Plan, name_map: NameMap | None, world: int) -> list[tuple[int, str, int]]:
+    """(owner rank, name, bytes) of every tensor a push sends: the outputs (after `name_map`, run
+    on meta tensors) in runs of about equal bytes per rank, one output's tensors together."""
+    groups = []
+    for x in plan.outputs:
+        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        outs = name_map(x.name, meta) if name_map else [(x.name, meta)]
+        groups.append([(n, t.numel() * t.element_size()) for n, t in outs])
+    total = max(1, sum(b for g in groups for _, b in g))
+    entries, acc = [], 0
+    for g in groups:
+        size = sum(b for _, b in g)
+        owner = min(world - 1, int((acc + size / 2) * world // total))
+        entries += [(owner, n, b) for n, b in g]
+        acc += size
+    return entries

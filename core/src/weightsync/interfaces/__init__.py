@@ -7,7 +7,8 @@ from weightsync.interfaces.adapter import AckedRound, Adapter, EngineStatus, Htt
 from weightsync.interfaces.base import Alloc, Bounded, Component, NameMap, NoOptions, Payload
 from weightsync.interfaces.capabilities import (ChecksAccess, Distrusts, JoinsGroups,
                                                 PullsFromPeers, RelaysFetches, RelaysPayloads, ReloadsFromDisk,
-                                                Scores, ServesPayloads, SharesWeights)
+                                                Scores, ServesPayloads, SharesRounds,
+                                                SharesWeights)
 from weightsync.interfaces.fleet import Fleet, Member, PeerSource
 from weightsync.interfaces.launcher import Launcher, LocalEngine
 from weightsync.interfaces.messages import Announce, Message
@@ -18,4 +19,4 @@ __all__ = ["AckedRound", "Adapter", "Alloc", "Announce", "Bounded", "ChecksAcces
            "Distrusts", "Encoding", "EngineStatus", "Endpoint", "Exporter", "Fleet", "HttpAdapter", "JoinsGroups", "Launcher",
            "LocalEngine", "Member", "Message", "NameMap", "NoOptions", "Payload", "PeerSource",
            "PullsFromPeers", "RelaysFetches", "RelaysPayloads", "ReloadsFromDisk", "Render",
-           "Scores", "ServesPayloads", "SharesWeights", "Stages", "Transport", "TransportReceiver"]
+           "Scores", "ServesPayloads", "SharesRounds", "SharesWeights", "Stages", "Transport", "TransportReceiver"]

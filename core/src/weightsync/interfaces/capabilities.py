@@ -10,7 +10,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 from weightsync.interfaces.streams import Endpoint
 
 __all__ = ["ChecksAccess", "Distrusts", "JoinsGroups", "PullsFromPeers", "RelaysFetches", "RelaysPayloads",
-           "ReloadsFromDisk", "Scores", "ServesPayloads", "SharesWeights", "group_ranks"]
+           "ReloadsFromDisk", "Scores", "ServesPayloads", "SharesRounds", "SharesWeights",
+           "group_ranks"]
 
 
 @runtime_checkable
@@ -47,6 +48,18 @@ class RelaysFetches(Protocol):
 
     def relay_source(self) -> str | None:
         """The URL of the body server where the engine offers its pieces; None: not now."""
+
+
+@runtime_checkable
+class SharesRounds(Protocol):
+    """Payloads from several trainer ranks can land in one round (`sync.senders: all`): rank 0
+    opens the round, and each sending rank's adapter joins it with what rank 0's holds."""
+
+    def round_state(self) -> dict[str, Any]:
+        """What another process needs to send into the round this adapter opened (JSON)."""
+
+    def join_round(self, state: Mapping[str, Any]) -> None:
+        """Send into the round `state` (another adapter's `round_state`) names."""
 
 
 @runtime_checkable

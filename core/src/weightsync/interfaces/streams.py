@@ -22,8 +22,16 @@ if TYPE_CHECKING:
 class Exporter(Component):
     """Turns a model into a stream of Buckets under Hugging Face names."""
 
+    spreads: ClassVar[bool] = False
+    """True when `owned` splits a push among the trainer's ranks (`sync.senders: all`)."""
+
     @abc.abstractmethod
     def buckets(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]: ...
+
+    def owned(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
+        """Every rank calls this: the buckets this rank sends itself, numbered in the whole
+        push's order (`wire.bucket.assign_buckets`), so that the ranks' buckets together are the push."""
+        raise NotImplementedError(f"exporter {self.name!r} cannot split a push among ranks")
 
 
 class Encoding(Component):
@@ -143,6 +151,9 @@ class Transport(Bounded, Component):
     """True for transports that publish for receivers to pull (disk_delta): the pipeline then
     pauses no engine and verifies nothing itself; the pullers check every digest."""
     receiver: ClassVar[type[TransportReceiver] | None] = None
+    spreads: ClassVar[bool] = False
+    """True when every trainer rank may send its own buckets through its own instance, into
+    rounds rank 0 opened (`sync.senders: all`): nothing in it is shared between senders."""
 
     def open(self, engines: Sequence["Adapter"], version: int) -> dict[str, BaseException]:
         """Prepare for one sync (segments, group). Returns the engines that could not be reached."""

@@ -9,10 +9,10 @@ from typing import Any
 
 from weightsync.config import LOCAL_HOSTS, ComponentRef, EngineSpec, SyncConfig, build_options
 from weightsync.errors import ConfigError
-from weightsync.interfaces import Adapter, Encoding, Exporter, Transport
+from weightsync.interfaces import Adapter, Encoding, Exporter, SharesRounds, Transport
 
 __all__ = ["EnginePlan", "ResolvedConfig", "check_combination", "check_fleet_engines",
-           "check_pause_mode", "missing", "plan_engine", "resolve"]
+           "check_pause_mode", "check_senders", "missing", "plan_engine", "resolve"]
 
 
 @dataclass
@@ -62,8 +62,10 @@ def resolve(config: SyncConfig, components: Any) -> ResolvedConfig:
         names.add(spec.name or "")
         engines.append(plan)
     mode = config.sync.pause_mode
+    check_senders(config.sync.senders, None, tr, exp, components)
     for plan in engines:
         check_pause_mode(mode, plan.adapter_cls)
+        check_senders(config.sync.senders, plan.adapter_cls, tr, exp, components)
     fleet_ref = config.fleet or ComponentRef(kind="static")
     fleet_cls = components.fleets.get(fleet_ref.kind)
     fleet_opts = build_options(fleet_cls, fleet_ref, "fleet")
@@ -83,6 +85,26 @@ def check_fleet_engines(fleet: Any, config: SyncConfig) -> None:
         raise ConfigError(f"`engines` lists a static fleet, but `fleet` is {fleet.name!r}, whose "
                           f"members register themselves; drop the `engines` list (or use the "
                           f"static fleet)")
+
+
+def check_senders(senders: str, adapter: type[Adapter] | None, transport: type[Transport],
+                  exporter: type[Exporter], components: Any) -> None:
+    """`senders: all` needs an exporter that splits a push, a transport each rank can send
+    through on its own, and engines whose rounds take payloads from several ranks."""
+    if senders != "all":
+        return
+    if not exporter.spreads:
+        can = [n for n, c in components.exporters.items() if c.spreads]
+        raise ConfigError(f"sync.senders: all, but exporter {exporter.name!r} cannot split a push "
+                          f"among ranks; use one of {can} or senders: rank0")
+    if not transport.spreads:
+        can = [n for n, c in components.transports.items() if c.spreads]
+        raise ConfigError(f"sync.senders: all, but transport {transport.name!r} sends from one "
+                          f"rank only; use one of {can} or senders: rank0")
+    if adapter is not None and not issubclass(adapter, SharesRounds):
+        raise ConfigError(f"sync.senders: all, but adapter {adapter.name!r} cannot take one "
+                          f"round's payloads from several ranks (it lacks SharesRounds); use "
+                          f"senders: rank0")
 
 
 def check_pause_mode(mode: str | None, adapter: type[Adapter]) -> None:

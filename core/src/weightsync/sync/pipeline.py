@@ -4,51 +4,27 @@ one round in `rounds`, the data path in `stream`."""
 
 from __future__ import annotations
 
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
 
-from weightsync.sync.assembly import ResolvedConfig, check_pause_mode, plan_engine, resolve
+from weightsync.sync.assembly import (ResolvedConfig, check_pause_mode, check_senders, plan_engine,
+                                      resolve)
 from weightsync.sync.peer_join import PeerCatchUp
 from weightsync.config import ComponentRef, SyncConfig
 from weightsync.errors import ConfigError, SyncError, WeightSyncError
 from weightsync.interfaces import Adapter, Encoding, Member, NameMap
 from weightsync.plugins import Components, load_components
 from weightsync.sync.probe import join_probe, run_probe
-from weightsync.sync.ranks import device_of, share_int, world
-from weightsync.sync.report import EngineOutcome, SyncReport
+from weightsync.sync.ranks import is_follower, share_int, share_report, world
+from weightsync.sync.report import EngineOutcome, SyncReport, held_by_most
 from weightsync.sync.rounds import Calls, Clock, GroupRound, Renewer
+from weightsync.sync.spread import RanksLost, SpreadRound, end_orders, follow
 from weightsync.sync.stream import Stream
 
 log = logging.getLogger("weightsync.sync.pipeline")
-
-
-def _is_follower() -> bool:
-    """In a multi-rank trainer only rank 0 sends; the others still run the exporter, because
-    gathering DTensor shards is a collective every rank must join."""
-    dist = world()
-    return dist is not None and dist.get_rank() != 0
-
-
-def _share_report(report: SyncReport | None) -> SyncReport:
-    """Rank 0's report on every rank of the trainer's default group, as JSON bytes in a tensor
-    broadcast (no pickle). Every rank calls this once per push, rank 0 with its report."""
-    dist = world()
-    assert dist is not None
-    data = json.dumps(report.to_json()).encode() if report is not None else b""
-    n = share_int(len(data) if report is not None else None)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device_of(dist))
-           if report is not None else torch.empty(n, dtype=torch.uint8, device=device_of(dist)))
-    dist.broadcast(buf, 0)
-    if report is not None:
-        return report
-    out = SyncReport.from_json(json.loads(bytes(buf.cpu().numpy())))
-    out.rank = dist.get_rank()
-    return out
 
 
 class WeightSync:
@@ -72,6 +48,7 @@ class WeightSync:
         self._catch_up: Encoding | None = None
         self._last_members: set[str] | None = None
         self._probe_model: Any = None         # this push's: what the probe runs (`probe_with`)
+        self._passes = self._passes_run = 0   # exporter passes announced / run (rank 0's count)
         from weightsync.sync.metrics import Metrics
         from weightsync.wire.signing import load_key
         self._key = load_key(None, self.settings.hmac_key_file)
@@ -143,6 +120,8 @@ class WeightSync:
         r = self.resolved
         plan = plan_engine(m.spec, r.config.adapter, r.transport_cls, r.encoding_cls, self.components)
         check_pause_mode(self.settings.pause_mode, plan.adapter_cls)
+        check_senders(self.settings.senders, plan.adapter_cls, r.transport_cls, r.exporter_cls,
+                      self.components)
         if hit is not None:
             hit[1].close()
         a = plan.adapter_cls(plan.adapter_options, plan.spec)
@@ -179,17 +158,8 @@ class WeightSync:
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"version {version} is not newer than the last pushed version "
                              f"{self.last_version}; versions must grow with every sync")
-        if _is_follower():
-            # rank 0 says how many times it runs the exporter this push (a catch-up round is a
-            # second pass; a sync that failed before exporting, none): gathers are collectives
-            for _ in range(share_int(None)):
-                for _ in self.exporter.buckets(model, name_map=name_map):
-                    pass
-            if share_int(None):               # rank 0 probes: a sharded forward needs every rank
-                join_probe(self._probe_model, self.settings.probe)
-            report = _share_report(None)
-            if any(o.ok for o in report.engines.values()) or report.published:
-                self.last_version = version
+        if is_follower():
+            report = self._follow(model, version, name_map)
         else:
             try:
                 report = self._lead(model, version, name_map)
@@ -210,6 +180,22 @@ class WeightSync:
             log.warning(msg)
         return report
 
+    def _follow(self, model: Any, version: int, name_map: NameMap | None) -> SyncReport:
+        """A rank other than 0: the exporter passes rank 0 announces (gathers are collectives
+        every rank joins), or a spread push's orders; the probe's forward; rank 0's report."""
+        if self.spread:
+            follow(self, model, version, name_map, self._stream)
+        else:
+            for _ in range(share_int(None)):
+                for _ in self.exporter.buckets(model, name_map=name_map):
+                    pass
+        if share_int(None):                   # rank 0 probes: a sharded forward needs every rank
+            join_probe(self._probe_model, self.settings.probe)
+        report = share_report(None)
+        if any(o.ok for o in report.engines.values()) or report.published:
+            self.last_version = version
+        return report
+
     def _lead(self, model: Any, version: int, name_map: NameMap | None) -> SyncReport:
         """Rank 0 (or a single-process trainer): run the sync; share the report with followers."""
         report = SyncReport(version=version)
@@ -217,23 +203,34 @@ class WeightSync:
         self._announced, self._passes, self._passes_run = False, 0, 0
         self._probing: bool | None = None      # told the followers whether they join the probe
         self._anchor: list[list[Any]] = []     # [[names], digest] per bucket of this push
+        self._committed, self._ordered, lost = False, False, False
         try:
             if self.transport.publish_only:
                 self._announce(1)
                 self._publish(model, version, name_map, report, clock)
             else:
                 self._sync(model, version, name_map, report, clock)
+        except RanksLost:
+            lost = True                        # the group is broken: no collective can follow
+            raise
         finally:
             report.seconds = {**clock.stages, "total": clock.since()}
-            if world() is not None:
+            if world() is not None and not lost:
                 self._drain(model, name_map)
                 if self._probing is None:
                     share_int(0)
-                _share_report(report)
+                share_report(report)
         return report
+
+    @property
+    def spread(self) -> bool:
+        """Every rank sends its own buckets this push (`senders: all` in a multi-rank trainer)."""
+        return self.settings.senders == "all" and world() is not None
 
     def _announce(self, passes: int) -> None:
         """Tell follower ranks how many exporter passes this push runs (once per push)."""
+        if self.spread:
+            return                             # followers take orders instead (`spread.py`)
         if world() is not None and not self._announced:
             share_int(passes)
             self._passes = passes
@@ -245,7 +242,12 @@ class WeightSync:
     def _drain(self, model: Any, name_map: NameMap | None) -> None:
         """The exporter passes rank 0 announced and did not run (a failure between the
         announcement and a pass, a catch-up that was not needed): the followers are gathering
-        already, so rank 0 runs them too."""
+        already, so rank 0 runs them too. A spread push tells them it has no more orders."""
+        if self.spread:
+            if not self._ordered:
+                self._ordered = True
+                end_orders(self._committed)
+            return
         self._announce(0)
         for _ in range(self._passes - self._passes_run):
             self._passes_run += 1
@@ -302,6 +304,7 @@ class WeightSync:
             raise
         if done or (not main and behind):
             self.encoding.commit(version)   # the encoding's base moves on with the engines
+            self._committed = True
         else:
             self.encoding.rollback()
         try:
@@ -345,15 +348,22 @@ class WeightSync:
         plan = {"transport": r.transport_cls.describe(r.transport_options),
                 "encoding": (r.encoding_cls.describe(r.encoding_options) if encoding is self.encoding
                              else ComponentRef(kind=encoding.name).model_dump())}
-        stream = Stream(self.exporter, encoding, self.transport, self.settings.max_inflight_buckets,
-                        self.settings.progress, clock.timed, self._key, self._pass_started)
-        rnd = GroupRound(self.settings, stream, encoding, self.transport, plan, calls, clock, report,
-                    renewer, caught_up=caught_up)
+        stream = self._stream(encoding, clock.timed)
+        args = (self.settings, stream, encoding, self.transport, plan, calls, clock, report, renewer)
+        rnd = (SpreadRound(*args, caught_up=caught_up,
+                           which="main" if encoding is self.encoding else "raw")
+               if self.spread else GroupRound(*args, caught_up=caught_up))
         done = rnd.run(model, name_map, engines, mode=mode, count=count)
         if count:
             report.digests = dict(rnd.digests)
             self._anchor = [[stream.names.get(i, []), d] for i, d in sorted(rnd.digests.items())]
         return done
+
+    def _stream(self, encoding: Encoding, timed: Any = None) -> Stream:
+        """The data path of one round (a spread push's: this rank's own buckets)."""
+        return Stream(self.exporter, encoding, self.transport, self.settings.max_inflight_buckets,
+                      self.settings.progress, timed or Clock(self.settings.deadline).timed,
+                      self._key, self._pass_started, spread=self.spread)
 
     def _publish(self, model: Any, version: int, name_map: NameMap | None, report: SyncReport,
                  clock: Clock) -> None:
@@ -364,9 +374,7 @@ class WeightSync:
         try:
             with clock.timed("open"):
                 self.transport.open([], version)
-            stream = Stream(self.exporter, self.encoding, self.transport,
-                            self.settings.max_inflight_buckets, self.settings.progress, clock.timed,
-                            self._key, self._pass_started)
+            stream = self._stream(self.encoding, clock.timed)
             stream.run(model, name_map, report, [], lambda a, f, s: a, report.digests, mode="publish")
             with clock.timed("finish"):
                 fails = self.transport.finish([])
@@ -386,8 +394,3 @@ class WeightSync:
 
 __all__ = ["WeightSync"]
 
-
-def held_by_most(versions: list[int | None]) -> int | None:
-    """The highest version a strict majority of `versions` are at or above (None: none known)."""
-    known = sorted((v for v in versions if v is not None), reverse=True)
-    return known[len(known) // 2] if known else None

@@ -4,9 +4,13 @@ differently on rank 0 (the pipeline, the round, the probe) asks here."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-__all__ = ["device_of", "distributed", "rank", "share_int", "world"]
+from weightsync.sync.report import SyncReport
+
+__all__ = ["device_of", "distributed", "gather_json", "is_follower", "rank", "share_int", "share_json",
+           "share_report", "world"]
 
 
 def world() -> Any:
@@ -41,3 +45,52 @@ def share_int(value: int | None) -> int:
     t = torch.tensor([value if value is not None else 0], dtype=torch.int64, device=device_of(dist))
     dist.broadcast(t, 0)
     return int(t.item())
+
+
+def share_json(value: Any = None, *, leader: bool) -> Any:
+    """Rank 0's JSON `value` on every rank (JSON bytes in a tensor broadcast: never pickle)."""
+    import torch
+    dist = world()
+    assert dist is not None
+    data = json.dumps(value).encode() if leader else b""
+    n = share_int(len(data) if leader else None)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if leader and n
+           else torch.empty(n, dtype=torch.uint8)).to(device_of(dist))
+    dist.broadcast(buf, 0)
+    return value if leader else json.loads(bytes(buf.cpu().numpy()))
+
+
+def gather_json(value: Any) -> list[Any]:
+    """Every rank's JSON `value`, in rank order, on every rank (one all-gather of the sizes,
+    one of the padded bytes)."""
+    import torch
+    dist = world()
+    assert dist is not None
+    dev = device_of(dist)
+    data = json.dumps(value).encode()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    most = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(most, dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    bufs = [torch.empty(most, dtype=torch.uint8, device=dev) for _ in sizes]
+    dist.all_gather(bufs, buf.to(dev))
+    return [json.loads(bytes(b[:int(s.item())].cpu().numpy())) for b, s in zip(bufs, sizes)]
+
+
+def is_follower() -> bool:
+    """A rank other than 0 of a multi-rank trainer: it joins rank 0's push (the exporter's
+    gathers are collectives every rank must run) and gets rank 0's report."""
+    dist = world()
+    return dist is not None and dist.get_rank() != 0
+
+
+def share_report(report: SyncReport | None) -> SyncReport:
+    """Rank 0's report on every rank; every rank calls this once per push, rank 0 with its own."""
+    got = share_json(report.to_json() if report is not None else None, leader=report is not None)
+    if report is not None:
+        return report
+    out = SyncReport.from_json(got)
+    out.rank = rank()
+    return out

@@ -50,6 +50,7 @@ class SyncReport:
     left: list[str] = field(default_factory=list)       # members gone since the last push
     excluded: dict[str, str] = field(default_factory=dict)  # members not synced, and why
     probe: str | None = None            # what the probe did this push (None: not run)
+    senders: dict[int, int] = field(default_factory=dict)  # senders: all: wire bytes per trainer rank
 
     @property
     def ok(self) -> bool:
@@ -98,6 +99,7 @@ class SyncReport:
         d = asdict(self)
         d["ok"] = self.ok
         d["digests"] = {str(k): v for k, v in self.digests.items()}
+        d["senders"] = {str(k): v for k, v in self.senders.items()}
         return d
 
     @classmethod
@@ -107,4 +109,11 @@ class SyncReport:
         d.pop("ok", None)
         engines = {k: EngineOutcome(**v) for k, v in (d.pop("engines", None) or {}).items()}
         digests = {int(k): v for k, v in (d.pop("digests", None) or {}).items()}
-        return cls(**d, engines=engines, digests=digests)
+        senders = {int(k): v for k, v in (d.pop("senders", None) or {}).items()}
+        return cls(**d, engines=engines, digests=digests, senders=senders)
+
+
+def held_by_most(versions: list[int | None]) -> int | None:
+    """The highest version a strict majority of `versions` are at or above (None: none known)."""
+    known = sorted((v for v in versions if v is not None), reverse=True)
+    return known[len(known) // 2] if known else None

@@ -281,20 +281,10 @@ class GroupRound:
                 with clock.timed("pause"):
                     active = self.drop(active, self._pause([a for a in active if a.engine_name in first],
                                                            self.settings.pause_mode), "pause")
-            with clock.timed("open"):
-                active = self.drop(active, self.transport.open(active, version), "open")
-            if not active and mode == "engines":
-                if not distributed():
-                    return []
-                mode = "encode"         # follower ranks run this export pass: so must rank 0
-            active = self.stream.run(model, name_map, self.report, active, self.drop,
-                                     self.digests, mode=mode, count=count)
-            with clock.timed("finish"):
-                active = self.drop(active, self.transport.finish(active), "send")
-            for n, text in self.transport.remarks().items():
-                if n in self.report.engines:
-                    self.report.engines[n].remark = text
-            active = self._verify(active, version)
+            sent = self._send(model, name_map, active, mode, count)
+            if sent is None:
+                return []
+            active = self._verify(sent, version)
             with clock.timed("commit"):
                 _, fails = self.calls.each(active, lambda a: self._land(a, version))
             at_pause = {n: e.error for n, e in fails.items()
@@ -319,6 +309,26 @@ class GroupRound:
         for a in active:
             self.report.engines[a.engine_name].seconds = clock.since()
         return [a for a in active if self.report.engines[a.engine_name].ok]
+
+    def _send(self, model: Any, name_map: NameMap | None, active: list[Adapter], mode: str,
+              count: bool) -> list[Adapter] | None:
+        """open -> stream -> finish: the engines that hold every payload (None: no engine is
+        left and no other rank needs this export pass)."""
+        clock, version = self.clock, self.report.version
+        with clock.timed("open"):
+            active = self.drop(active, self.transport.open(active, version), "open")
+        if not active and mode == "engines":
+            if not distributed():
+                return None
+            mode = "encode"         # follower ranks run this export pass: so must rank 0
+        active = self.stream.run(model, name_map, self.report, active, self.drop,
+                                 self.digests, mode=mode, count=count)
+        with clock.timed("finish"):
+            active = self.drop(active, self.transport.finish(active), "send")
+        for n, text in self.transport.remarks().items():
+            if n in self.report.engines:
+                self.report.engines[n].remark = text
+        return active
 
     def _verify(self, active: list[Adapter], version: int) -> list[Adapter]:
         with self.clock.timed("verify"):

@@ -53,12 +53,15 @@ class Stream:
 
     def __init__(self, exporter: Exporter, encoding: Encoding, transport: Transport,
                  max_inflight: int, progress: str, timed: Callable[[str], Any],
-                 key: bytes | None = None, on_pass: Callable[[], None] | None = None) -> None:
+                 key: bytes | None = None, on_pass: Callable[[], None] | None = None,
+                 spread: bool = False) -> None:
         self.exporter, self.encoding, self.transport = exporter, encoding, transport
+        self.spread = spread        # senders: all: this rank's own buckets, and every one of them
         self.max_inflight, self.progress, self.timed = max_inflight, progress, timed
         self.key = key
         self.on_pass = on_pass or (lambda: None)   # counts exporter passes (multi-rank trainers)
         self.names: dict[int, list[str]] = {}       # each bucket's tensors (peer joins' anchor)
+        self.changed = self.elements = 0            # delta encodings: of this stream's buckets
 
     def run(self, model: Any, name_map: NameMap | None, report: SyncReport, active: list[Adapter],
             drop: Callable[[list[Adapter], dict[str, BaseException], str], list[Adapter]],
@@ -80,7 +83,8 @@ class Stream:
         def produce() -> None:
             it = None
             try:
-                it = self.exporter.buckets(model, name_map=name_map)
+                export = self.exporter.owned if self.spread else self.exporter.buckets
+                it = export(model, name_map=name_map)
                 while not stop.is_set():
                     slots.acquire()
                     with timed("export"):
@@ -136,12 +140,12 @@ class Stream:
                     active = drop(active, fails, "send")
                 else:
                     self.transport.discard(payload)
-                    if mode == "engines":            # every engine failed: stop exporting
-                        break
+                    if mode == "engines" and not self.spread:   # every engine failed: stop
+                        break       # (a rank of a spread push exports on: its groups' gathers)
                 bar.advance(payload.logical_bytes)
                 del payload, item
                 slots.release()
-            if sent == 0:
+            if sent == 0 and not self.spread:
                 raise ValueError("the model has no tensors to send")
         finally:
             stop.set()
@@ -156,4 +160,5 @@ class Stream:
                 slots.release()
             worker.join()
             bar.close()
+            self.changed, self.elements = changed, elements
         return active

@@ -11,8 +11,8 @@ import xxhash
 
 from weightsync.wire.pool import map_threads
 
-__all__ = ["Bucket", "DIGEST_ALGOS", "DTYPES", "TensorSpec", "combine_digests", "digest_algo",
-           "digest_tensors", "dtype_from_name", "dtype_name", "pack", "tensor_bytes",
+__all__ = ["Bucket", "DIGEST_ALGOS", "assign_buckets", "DTYPES", "TensorSpec", "combine_digests", "digest_algo",
+           "digest_tensors", "dtype_from_name", "dtype_name", "pack", "pack_owned", "tensor_bytes",
            "tensor_digest", "tensor_hasher", "tensor_header"]
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in (
@@ -183,3 +183,52 @@ def pack(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[Buck
         size += n
     if current:
         yield Bucket(index, current, last=True)
+
+
+def assign_buckets(entries: Sequence[tuple[int, str, int]], limit: int) -> list[tuple[int, list[str]]]:
+    """A push that several ranks send (`sync.senders: all`): (owner rank, name, nbytes) of every
+    tensor, in export order, to the buckets of the whole push, each (owner, names). Each owner's
+    tensors are packed as `pack` packs them; owners follow in rank order, so bucket numbers are
+    0..N-1 across the ranks and the last one ends the push, whoever sends it. Every rank computes
+    the same layout from the same metadata, so no bucket number is ever agreed over the wire."""
+    out: list[tuple[int, list[str]]] = []
+    for owner in sorted({o for o, _, _ in entries}):
+        size = 0
+        current: list[str] = []
+        for o, name, n in entries:
+            if o != owner:
+                continue
+            if current and size + n > limit:
+                out.append((owner, current))
+                current, size = [], 0
+            current.append(name)
+            size += n
+        if current:
+            out.append((owner, current))
+    return out
+
+
+def pack_owned(named: Iterable[tuple[str, torch.Tensor]], buckets: Sequence[tuple[int, list[str]]],
+               me: int) -> Iterator[Bucket]:
+    """The buckets of `assign_buckets` that rank `me` owns, filled from `named` (this rank's tensors in
+    export order, others' skipped), under their global numbers."""
+    mine = [(i, names) for i, (owner, names) in enumerate(buckets) if owner == me]
+    it = iter(named)
+    try:
+        for index, names in mine:
+            tensors: list[tuple[str, torch.Tensor]] = []
+            for want in names:
+                for name, t in it:
+                    if name == want:
+                        tensors.append((name, t))
+                        break
+                else:
+                    raise ValueError(f"bucket {index}: tensor {want!r} was planned and never "
+                                     f"exported; the export differs from its plan")
+            yield Bucket(index, tensors, last=index == len(buckets) - 1)
+        for _ in it:        # the rest of the export: its gathers may need this rank
+            pass
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()         # stopped early: a sharded export still serves the other ranks

@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weightsync import Bucket, Exporter
-from weightsync.wire.bucket import pack
+from weightsync.wire.bucket import assign_buckets, pack, pack_owned
 from weightsync.config import ByteSize
 from weightsync.interfaces import NameMap
 
@@ -81,6 +81,28 @@ class MegatronExporter(Exporter):
             log.error("megatron exporter: %s", e)
             return
         yield from stream(plan)
+
+    spreads = True
+
+    def owned(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
+        """`senders: all`: each unit's shards gathered within its TP or expert-TP group to the
+        group member the plan picked (`plan.spread`: the groups' ranks take turns by bytes), which
+        sends the HF tensors itself; every rank's buckets numbered in the push's order."""
+        import torch.distributed as dist
+        from .move import stream_own
+        from .plan import make_plan, spread
+        plan = make_plan(model, self.options.architecture, self.options.vocab_size)
+        plan.units = spread(plan.units)
+        entries = []
+        for u in plan.units:
+            for n, d, shape in u.outputs:
+                meta = torch.empty(shape, dtype=getattr(torch, d), device="meta")
+                outs = name_map(n, meta) if name_map else [(n, meta)]
+                entries += [(u.sender, m, t.numel() * t.element_size()) for m, t in outs]
+        named = ((m, t) for n, tensor in stream_own(plan)
+                 for m, t in (name_map(n, tensor) if name_map else ((n, tensor),)))
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return pack_owned(named, assign_buckets(entries, self.options.bucket_bytes), me)
 
     def buckets(self, model: Any, *, name_map: NameMap | None = None) -> Iterator[Bucket]:
         named = ((name, t) for hf_name, tensor in self.named_tensors(model)

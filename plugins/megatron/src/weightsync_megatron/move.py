@@ -13,7 +13,7 @@ import torch
 from .convert import to_hf
 from .plan import Plan, Unit
 
-__all__ = ["stream"]
+__all__ = ["stream", "stream_own"]
 
 
 def stream(plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
@@ -29,6 +29,23 @@ def stream(plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
         for unit in units:
             for _ in _move(plan, unit):
                 pass
+        raise
+
+
+def stream_own(plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
+    """`senders: all`: (HF name, tensor) of the units this rank sends, in plan order; each unit's
+    shards gathered within its group to its sender, nothing sent on to another rank. Closed
+    early, it still joins the remaining gathers of its groups."""
+    units = iter(plan.units)
+    try:
+        for unit in units:
+            shards = _gather(plan, unit)
+            if plan.ranks.me == unit.sender:
+                assert shards is not None
+                yield from zip((n for n, _, _ in unit.outputs), to_hf(unit.kind, shards, plan.geometry))
+    except GeneratorExit:
+        for unit in units:
+            _gather(plan, unit)
         raise
 
 

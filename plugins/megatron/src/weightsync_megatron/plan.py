@@ -10,7 +10,8 @@ every rank raises the same error instead of some waiting forever."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ import torch
 from .convert import Geometry, to_hf
 from .names import ARCHITECTURES, TOP, Rule
 
-__all__ = ["Plan", "Ranks", "Unit", "expert_index", "geometry_of", "make_plan", "model_chunks"]
+__all__ = ["Plan", "Ranks", "Unit", "expert_index", "geometry_of", "make_plan", "model_chunks",
+           "spread"]
 
 _SPLIT_DIM = {"col": 0, "qkv": 0, "glu": 0, "vocab": 0, "row": 1}
 
@@ -73,14 +75,20 @@ class Unit:
     expert: bool
     sender: int                               # global rank
     outputs: tuple[tuple[str, str, tuple[int, ...]], ...]   # (HF name, dtype, shape)
+    group: tuple[int, ...] = ()               # the TP (expert-TP) group the sender gathers in
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * getattr(torch, d).itemsize for _, d, s in self.outputs)
 
     def to_json(self) -> list[Any]:
         return [self.id, list(self.key), self.kind, self.expert, self.sender,
-                [[n, d, list(s)] for n, d, s in self.outputs]]
+                [[n, d, list(s)] for n, d, s in self.outputs], list(self.group)]
 
     @classmethod
     def from_json(cls, j: list[Any]) -> "Unit":
-        return cls(j[0], tuple(j[1]), j[2], j[3], j[4], tuple((n, d, tuple(s)) for n, d, s in j[5]))
+        return cls(j[0], tuple(j[1]), j[2], j[3], j[4], tuple((n, d, tuple(s)) for n, d, s in j[5]),
+                   tuple(j[6]))
 
 
 @dataclass
@@ -155,7 +163,7 @@ def _describe(chunks: list[Any], arch: str, ranks: Ranks, geo: Geometry
             names = [t.format(layer=g_layer, expert=g_expert) for t in rule.hf]
             mine.append(Unit(uid, (section, g_layer, order[key], g_expert), rule.kind, rule.expert,
                              ranks.me, tuple((n, str(o.dtype).removeprefix("torch."), tuple(o.shape))
-                                             for n, o in zip(names, outs))))
+                                             for n, o in zip(names, outs)), ranks.group(rule.expert)))
     return mine, local
 
 
@@ -196,6 +204,19 @@ def make_plan(model: Any, arch: str, vocab: int | None) -> Plan:
                                  f"is Megatron's parallel state the one the model was built with?")
             seen[n] = u.sender
     return Plan(units, local, geo, device, ranks)
+
+
+def spread(units: list[Unit]) -> list[Unit]:
+    """`senders: all`: each unit sent by the member of its group that has sent the fewest bytes
+    so far (ties: the lowest rank), so every rank of a TP or expert-TP group sends, not only its
+    first; the same on every rank (plan order, whole-plan counts)."""
+    load: dict[int, int] = {}
+    out = []
+    for u in units:
+        who = min(u.group or (u.sender,), key=lambda r: (load.get(r, 0), r))
+        load[who] = load.get(who, 0) + u.nbytes
+        out.append(replace(u, sender=who))
+    return out
 
 
 def all_gather_json(obj: Any, device: torch.device) -> list[Any]:

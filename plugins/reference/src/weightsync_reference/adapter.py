@@ -92,6 +92,13 @@ class ReferenceAdapter(HttpAdapter):
                 time.sleep(min(float(m.group(1)) + 0.1, left, _OPEN_ROUND_POLL))
         self.round_id = body.get("round")
 
+    def round_state(self) -> dict[str, Any]:
+        return {"round": self.round_id}
+
+    def join_round(self, state: Mapping[str, Any]) -> None:
+        """Another trainer rank's round: its payloads carry that round's id."""
+        self.round_id = state.get("round")
+
     def renew(self) -> None:
         self._post("/weightsync/renew", {"lease": self.lease}, timeout=max(0.5, self.lease / 3))
 

@@ -175,6 +175,13 @@ class VllmAdapter(HttpAdapter):
             self._init({"renew": {"id": self.round_id, "lease": self.lease}},
                        timeout=max(0.5, self.lease / 3))
 
+    def round_state(self) -> dict[str, Any]:
+        return {"round": self.round_id}
+
+    def join_round(self, state: Mapping[str, Any]) -> None:
+        """Another trainer rank's round (its payloads name it; the backend takes any order)."""
+        self.round_id = state.get("round")
+
     def end(self) -> dict[int, str]:
         self._withdraw()
         body = self._post("/collective_rpc", {"method": "weightsync_state",

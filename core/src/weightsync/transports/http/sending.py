@@ -90,6 +90,7 @@ class HttpTransport(Transport):
     Options = HttpOptions
     requires = (ServesPayloads,)
     receiver = HttpReceiver
+    spreads = True
 
     def __init__(self, options: BaseModel | None = None) -> None:
         super().__init__(options)
