@@ -40,14 +40,10 @@ class AnnounceAhead:
 
     def announce_ahead(self, payload: Payload, engines: Sequence[Adapter]) -> None:
         """Announce `payload` as soon as it is packed, while the bucket before it is still being
-        broadcast, so every engine has posted its receive when rank 0 starts the next broadcast
-        (no idle link between buckets: an announce costs an HTTP round trip and a gloo
-        handshake). Only for engines that serve announces in any order and wait for their turn
-        (`ordered_announces`), the whole body as one broadcast, payloads announced in bucket
-        order on the group `open` built for exactly these engines; otherwise `send` announces
-        as before. An announce that is never broadcast (an aborted round, a rebuilt group)
-        leaves its group poisoned: the next round builds a new one, which frees the engines
-        still waiting on the old one."""
+        broadcast, so every engine has posted its receive when the next broadcast starts. Only
+        for `ordered_announces` engines, the safetensors layout, payloads in bucket order, on
+        the group `open` built for these engines; otherwise `send` announces. An announce never
+        broadcast poisons its group: the next round builds a new one."""
         engines = list(engines)
         group = self.group          # the sending thread may be replacing it: one look
         with self._ahead_lock:
@@ -74,8 +70,7 @@ class AnnounceAhead:
                                                 calls, wake)
 
     def _take_ahead(self, payload: Payload, engines: Sequence[Adapter]) -> _Ahead | None:
-        """The announces made ahead for `payload`, if they still fit the group and this seq;
-        stale ones poison the group (their engines wait for a broadcast that never comes)."""
+        """The announces made ahead for `payload`, if they still fit the group and this seq."""
         with self._ahead_lock:
             ahead = self._ahead.pop(payload.index, None)
             if ahead is None:
@@ -87,9 +82,8 @@ class AnnounceAhead:
             return None
 
     def _drop_ahead(self, ahead: _Ahead) -> None:
-        """(`_ahead_lock` held) An announce made ahead that will never be broadcast: no more
-        announcing ahead this round, and if it went to the current group, its engines wait for
-        that seq, so the group must be rebuilt."""
+        """(`_ahead_lock` held) An announce made ahead that will never be broadcast: none more
+        this round, and its group (if current) must be rebuilt."""
         self._ahead_next = -1
         if self.group is not None and ahead.group == self.group.name:
             self.key = None

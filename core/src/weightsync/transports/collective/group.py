@@ -97,9 +97,8 @@ class GroupLifecycle:
     def _join_failures(self, engines: Sequence[Adapter], calls: dict[str, _Call],
                        infos: dict[str, dict[str, Any]], name: str, world: int,
                        err: BaseException, timeout: float) -> dict[str, BaseException]:
-        """Rank 0 gave up on the group. The engines that joined fail right after it (they waited
-        for the same missing rank), so the culprits are the calls still running after a grace
-        period; failing that, the calls that failed on their own (dead engine, refused)."""
+        """Rank 0 gave up on the group: the culprits are the calls still running after a grace
+        period (the others fail right after it); failing that, those that failed on their own."""
         deadline = time.monotonic() + self.bounded(max(1.0, min(10.0, timeout)))
         pending = [a for a in engines if not calls[a.engine_name].done(max(0.0, deadline - time.monotonic()))]
         log.info("group %r was not formed: %s", name, err)

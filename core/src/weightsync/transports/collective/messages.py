@@ -1,7 +1,6 @@
-"""The messages of transport `collective` (`Adapter.deliver`): the engine joins the trainer's
-group, takes each broadcast it is announced, and leaves the group (best effort) when it is
-rebuilt. `Broadcast` is an `Announce` of its own kind, so an adapter that translates broadcasts
-(SGLang, LMDeploy) accepts them without accepting every out-of-band announce (shm's)."""
+"""The messages of transport `collective`: join the group, take a broadcast, leave the group.
+`Broadcast` is an `Announce` of its own kind, so an adapter that translates broadcasts (SGLang,
+LMDeploy) accepts them without accepting every out-of-band announce."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Process groups outside the default world, built the way SGLang's `init_custom_process_group`
-(after OpenRLHF) builds them: a TCPStore, a PrefixStore named after the group, and
-`_new_process_group_helper`. Keeping the recipe identical is what lets an SGLang or LMDeploy
-engine join a group the trainer made with weightsync, and weightsync's own receivers join it too."""
+"""Process groups outside the default world, built exactly as SGLang's `init_custom_process_group`
+builds them (a TCPStore, a PrefixStore named after the group, `_new_process_group_helper`), so
+SGLang and LMDeploy engines join a group the trainer made."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def default_backend() -> str:
 
 
 def make_store(address: str, port: int, world_size: int, is_master: bool, timeout: float) -> Any:
-    """The rendezvous store. The master never waits for workers here: the group creation does,
-    with the same timeout, so a rank that never shows up is an error, not a hang."""
+    """The rendezvous store; the group creation, not the store, waits for the workers."""
     from torch.distributed import TCPStore
     return TCPStore(address, port, world_size, is_master=is_master,
                     timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
@@ -87,8 +85,7 @@ def forget(pg: Any) -> None:
 
 
 def shutdown(pg: Any) -> None:
-    """Release sockets/communicators. Errors are logged: a group whose peer died cannot always
-    shut down cleanly, and it may block, so callers run this on a spare thread."""
+    """Release sockets/communicators (may block on a dead peer: run it on a spare thread)."""
     try:
         if hasattr(pg, "shutdown"):
             pg.shutdown()

@@ -19,9 +19,8 @@ _GROUPS_LOCK = threading.Lock()
 
 
 class _Order:
-    """Broadcasts on one group must be received in the sender's order, but the announces that
-    trigger them are HTTP requests that may arrive out of order (the trainer keeps one in flight
-    while it broadcasts the next). Each announce carries `seq`; a receive waits for its turn."""
+    """Broadcasts on one group are received in the sender's order (`seq`), though the announces
+    that trigger them may arrive out of order: a receive waits for its turn."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -69,8 +68,7 @@ def _forget_groups() -> None:
 
 
 class _RecvPool:
-    """Receive buffers reused across buckets and rounds (per process), so a broadcast lands in
-    warm memory instead of page-faulting a fresh allocation every bucket."""
+    """Receive buffers reused across buckets and rounds (warm memory, no page faults)."""
 
     def __init__(self) -> None:
         self.free: list[torch.Tensor] = []
@@ -96,8 +94,8 @@ _POOL = _RecvPool()
 
 
 class CollectiveReceiver(TransportReceiver):
-    """Joins the trainer's group (per process: the group outlives one update round, because a
-    new round does not rebuild it) and receives one broadcast per announce."""
+    """Joins the trainer's group (per process, kept across rounds) and receives one broadcast per
+    announce."""
 
     private = True      # a broadcast lands in this process's own receive buffers
 
@@ -106,8 +104,7 @@ class CollectiveReceiver(TransportReceiver):
         self._lent: dict[tuple[Any, int], torch.Tensor] = {}
 
     def deliver(self, kind: str, body: Mapping[str, Any], session: Stages) -> dict[str, Any]:
-        """`collective.join` joins the trainer's group (blocking until every rank is in);
-        `collective.leave` forgets it; a `collective.broadcast` receives one broadcast."""
+        """Join (blocking until every rank is in), leave, or receive one broadcast."""
         if kind == JoinGroup.kind:
             self.join(body)
             return {}

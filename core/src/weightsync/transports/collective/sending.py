@@ -1,6 +1,5 @@
-"""The trainer's half of transport `collective`: send buffers used in turn, announces, one
-broadcast per piece while the announces are watched, and who broke a broadcast (see the package
-docstring for why failures are handled this way)."""
+"""The trainer's half of transport `collective`: send buffers used in turn, announces, broadcasts
+watched alongside them, and who broke a broadcast (the package docstring says why)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from weightsync.transports.collective.receiving import CollectiveReceiver
 
 
 class _Buffer:
-    """One reusable send buffer: payloads are packed straight into it (warm memory, no
-    allocation per bucket) and it is handed out again once its broadcast is done."""
+    """One reusable send buffer (warm memory), handed out again once its broadcast is done."""
 
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
@@ -67,8 +65,7 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         self._ahead_lock = threading.Lock()
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        """The next send buffer, once its previous broadcast is done; grown when too small.
-        Sender memory stays at `buffers` buckets whatever the model size."""
+        """The next send buffer, once its previous broadcast is done; grown when too small."""
         with self._ring_lock:
             buf = self._ring[self._turn]
             self._turn = (self._turn + 1) % len(self._ring)
@@ -82,9 +79,13 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
             buf.tensor = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
         return buf.tensor[:nbytes]
 
-    def _release(self, body: torch.Tensor) -> None:
+    def _release(self, body: torch.Tensor, retire: bool = False) -> None:
+        """The buffer of `body` is free again; `retire`: with fresh memory (an abandoned
+        broadcast may still read the old)."""
         for b in self._ring:
             if b.holds(body):
+                if retire:
+                    b.tensor = None
                 b.free.set()
 
     def open(self, engines: Sequence[Adapter], version: int) -> dict[str, BaseException]:
@@ -108,35 +109,20 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
             return t.cpu()
         return t
 
-    def _collect(self, calls: dict[str, _Call], wait: float) -> dict[str, BaseException]:
-        fails: dict[str, BaseException] = {}
-        for name, c in calls.items():
-            if not c.done(wait):
-                fails[name] = TransportError(f"engine did not finish loading a broadcast bucket "
-                                              f"within {wait:.0f}s")
-            elif c.error:
-                fails[name] = c.error[0]
-        return fails
-
     def _drain(self, keep: int = 0) -> dict[str, BaseException]:
         """Wait for the announces of every broadcast but the last `keep`; their failures."""
         fails: dict[str, BaseException] = {}
         cut = max(0, len(self.pending) - keep)
         done, self.pending = self.pending[:cut], self.pending[cut:]
         for calls, _ in done:
-            for name, err in self._collect(calls, self.bounded(self.options.timeout)).items():
-                fails.setdefault(name, err)
+            wait = self.bounded(self.options.timeout)
+            for name, c in calls.items():
+                if not c.done(wait):
+                    fails.setdefault(name, TransportError(
+                        f"engine did not finish loading a broadcast bucket within {wait:.0f}s"))
+                elif c.error:
+                    fails.setdefault(name, c.error[0])
         return fails
-
-    def _alive(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
-        """Engines that no longer answer health (a dead rank broke the broadcast)."""
-        dead: dict[str, BaseException] = {}
-        for a in engines:
-            try:
-                a.health()
-            except Exception as e:  # noqa: BLE001 - this engine is gone
-                dead[a.engine_name] = e
-        return dead
 
     def discard(self, payload: Payload) -> None:
         with self._ahead_lock:
@@ -155,8 +141,6 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         failures: dict[str, BaseException] = {}
         layout = self._layout(engines)
         engines = list(engines)
-        # weightsync's receivers take the whole body and read its own header: nothing to parse
-        # or to repeat in the announce (the payload header lists the tensors already)
         pieces = ([(payload.body, "uint8", None)] if layout == "safetensors"
                   else split_payload(payload.body, layout))
         k = attempts = 0
@@ -168,10 +152,8 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
             if not engines or self.group is None:
                 break
             tensor, dtype, specs = pieces[k]
-            # an engine that serves announces in arrival order must see k done before k+1; the
-            # others stage the previous bucket while this one is broadcast, and never hold more
-            # than two: the one before that must be staged first. Waiting here, not right after
-            # the previous broadcast, lets the exporter pack the next bucket meanwhile.
+            # engines that serve announces in arrival order must see k done before k+1; others
+            # stage the previous bucket while this one is broadcast (never more than two)
             keep = 1 if all(a.ordered_announces for a in engines) else 0
             for name, err in self._drain(keep).items():
                 failures.setdefault(name, err)
@@ -209,11 +191,9 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
 
     def _broadcast(self, tensor: torch.Tensor, calls: dict[str, _Call], body: torch.Tensor,
                    wake: threading.Event | None = None) -> None:
-        """Broadcast while watching the announces: an engine that failed before it posted its
-        receive would leave rank 0 waiting for the whole timeout, so the broadcast is abandoned
-        as soon as one announce fails (the group is rebuilt; the buffer is retired, since the
-        abandoned operation may still read it). The wait wakes on the broadcast's completion or
-        an announce's failure, whichever comes first (no polling delay per bucket)."""
+        """Broadcast while watching the announces: one that fails (its engine never posts its
+        receive) abandons the broadcast at once instead of after the whole timeout, and retires
+        the buffer. The wait wakes on completion or an announce's failure, whichever is first."""
         timeout = self.bounded(self.options.timeout)       # never past the push's deadline
         assert self.group is not None                       # _send checked it
         work = pgs.start_broadcast(self.group.pg, tensor, timeout)
@@ -227,7 +207,7 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         while not work.is_completed():
             bad = [(n, c.error[0]) for n, c in calls.items() if c.error]
             if bad or time.monotonic() > deadline:
-                self._retire(body)
+                self._release(body, retire=True)
                 if bad:
                     raise TransportError(f"engine {bad[0][0]} failed before receiving the "
                                          f"broadcast: {bad[0][1]}")
@@ -240,19 +220,17 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
                 nap = min(nap * 2, 0.005)
         pgs.finish_broadcast(work, tensor, timeout)
 
-    def _retire(self, body: torch.Tensor) -> None:
-        for b in self._ring:
-            if b.holds(body):
-                b.tensor = None          # the next alloc of this slot gets fresh memory
-                b.free.set()
-
     def _broken(self, engines: Sequence[Adapter], calls: dict[str, _Call], attempts: int,
                 index: int, err: BaseException) -> dict[str, BaseException]:
-        """Who broke a broadcast. First the engines that no longer answer health (the survivors
-        wait in a broadcast that never completes, so they are resent to through a new group);
-        on a second failure also the engines whose announce itself failed; on a third, all."""
+        """Who broke a broadcast: first the engines that no longer answer health; on a second
+        failure also those whose announce failed; on a third, all."""
         fails: dict[str, BaseException] = {}
-        dead = self._alive(engines)
+        dead: dict[str, BaseException] = {}
+        for a in engines:
+            try:
+                a.health()
+            except Exception as e:  # noqa: BLE001 - this engine is gone
+                dead[a.engine_name] = e
         for a in engines:
             c = calls[a.engine_name]
             if a.engine_name in dead:

@@ -1,7 +1,5 @@
-"""CUDA IPC handles as JSON. The sender exports a GPU buffer once; a receiver on the same host opens
-it and reads the bytes in place (no host copy). The handle travels in the announce header, so it
-must be plain JSON: bytes fields are base64, every field is checked on the way in, and the rebuild
-goes through torch's own `rebuild_cuda_tensor` (as torch.multiprocessing does), never pickle."""
+"""CUDA IPC handles as JSON (they travel in the announce header): bytes fields are base64, every
+field is checked on the way in, and the rebuild goes through torch's `rebuild_cuda_tensor`."""
 
 from __future__ import annotations
 

@@ -51,10 +51,8 @@ def _open_cpu(name: str) -> torch.Tensor:
 
 
 def _open_cuda(handle: Mapping[str, Any]) -> torch.Tensor:
-    """The sender's CUDA buffer. A sender's caching allocator hands out new buffers inside the
-    same device allocation (same IPC handle, other offset or size) when it grows a segment, so a
-    mapping is cached under the whole geometry, and a stale mapping of the same handle is dropped
-    before the new one is opened (torch's own cache would otherwise return the old storage)."""
+    """The sender's CUDA buffer, cached under its whole geometry: a grown allocation keeps its IPC
+    handle, so a stale mapping of the same handle is dropped before the new one is opened."""
     from weightsync.transports.shm.cuda_ipc import open_buffer
     geometry = tuple(handle.get(k) for k in ("handle", "storage_offset", "storage_bytes",
                                               "tensor_offset", "numel"))
@@ -84,8 +82,7 @@ class ShmReceiver(TransportReceiver):
     """Maps the sender's segments (cached: the same buffers recur) and returns zero-copy views."""
 
     def hash_source(self, header: Mapping[str, Any]) -> bool:
-        """The body may be hashed as it is read (not from the copy): its buffer has a generation
-        that `unchanged` checks after the copy."""
+        """Hashed as it is read: its buffer has a generation that `unchanged` checks after."""
         tr = header.get("transport") or {}
         return "generation" in tr and "cuda_ipc" not in tr
 

@@ -23,8 +23,7 @@ NAME_RE = re.compile(r"^weightsync-[0-9]+-[0-9a-f]+-[0-9]+$")
 
 
 def _tracker(op: str, name: str) -> None:
-    """Register/unregister `name` with multiprocessing's resource tracker (the reaper that
-    unlinks it if this process dies without doing so)."""
+    """Register/unregister `name` with the resource tracker (it unlinks it if this process dies)."""
     from multiprocessing import resource_tracker
     try:
         getattr(resource_tracker, op)("/" + name, "shared_memory")

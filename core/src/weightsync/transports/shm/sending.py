@@ -1,6 +1,4 @@
-"""The trainer's half of transport `shm`: payloads written straight into shared buffers used in
-turn, each engine told where they are by an announce, and a buffer handed out again only once
-every engine's announce for it returned."""
+"""The trainer's half of transport `shm`: shared buffers used in turn, announces, releases."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ class ShmOptions(BaseModel):
 
 
 class _Read:
-    """An engine's announce of one buffer, running on the transport's pool (`is_alive` as a
-    thread's, for the bookkeeping that asks who still reads a buffer)."""
+    """An engine's announce of one buffer on the transport's pool (`is_alive` as a thread's)."""
 
     def __init__(self, future: Future) -> None:
         self.future = future
@@ -146,7 +143,7 @@ class ShmTransport(Transport):
             fields["generation"] = seg.generation
         header = payload.header(**fields)
         with self.lock:
-            failed = {n: e for n, e in self.errors.items()}
+            failed = dict(self.errors)
         targets = [a for a in engines if a.engine_name not in failed]
         if self._pool is None:       # announce threads kept from bucket to bucket
             self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(targets)),
