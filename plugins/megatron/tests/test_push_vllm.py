@@ -9,7 +9,9 @@ parameter vLLM keeps unpacked (embeddings, norms, lm_head: read from the model i
 worker extension, vllm_probe.py); vLLM's raw fp32 logits of every position of two prompts equal
 Megatron's own forward within 1e-4. Before the push the served logits were far from Megatron's,
 and a naive gate/up join pushed as the next version (the negative control) lands in vLLM (the
-gate and up weights differ from the checkpoint) and moves its logits off Megatron's.
+gate and up weights differ from the checkpoint) and moves its logits off Megatron's. Then every
+rank sends its own part (`senders: all`) into the same server: the checkpoint's bytes and
+Megatron's logits again, with no tensor sent point to point to rank 0.
 
 Tolerance: both sides compute in float32, but in different orders (Megatron's TP2 partial sums
 and PP2 stages against vLLM's oneDNN GEMMs and CPU attention kernel), so logits of magnitude ~1
@@ -71,7 +73,9 @@ def vllm_pushed(tmp_path_factory: pytest.TempPathFactory, kit: Any) -> tuple[Pat
         case = dict(name="vllm", hf=str(hf), url=server.url, engines=[server.spec()],
                     adapter="vllm", version=VERSION, before=True, negative=True,
                     tp=2, pp=2, ep=1, etp=1)
-        rows = kit.launch({"out": str(tmp), "ids": kit.IDS, "cases": [case]}, tmp)
+        spread = dict(case, name="vllm_spread", version=VERSION + 2, senders="all",
+                      before=False, negative=False)
+        rows = kit.launch({"out": str(tmp), "ids": kit.IDS, "cases": [case, spread]}, tmp)
     finally:
         server.stop()
     return tmp, rows
@@ -82,14 +86,14 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-def _version(tmp: Path, tag: str) -> Any:
-    return json.loads((tmp / f"vllm.{tag}.json").read_text())["weight_version"]
+def _version(tmp: Path, tag: str, case: str = "vllm") -> Any:
+    return json.loads((tmp / f"{case}.{tag}.json").read_text())["weight_version"]
 
 
-def _max_diff(tmp: Path, tag: str) -> float:
+def _max_diff(tmp: Path, tag: str, case: str = "vllm") -> float:
     """How far vLLM's logits after `tag` are from Megatron's own forward (same shape: asserted)."""
-    got = _load(tmp / f"vllm.{tag}.vllm_logits.safetensors")["logits"]
-    want = _load(tmp / "vllm.logits.safetensors")["logits"]
+    got = _load(tmp / f"{case}.{tag}.vllm_logits.safetensors")["logits"]
+    want = _load(tmp / f"{case}.logits.safetensors")["logits"]
     assert got.shape == want.shape, (got.shape, want.shape)
     return float((got - want).abs().max())
 
@@ -164,3 +168,20 @@ def test_a_naive_gate_up_join_lands_in_vllm_and_moves_its_logits(vllm_pushed: tu
     assert any("gate_proj" in p for p in found) and any("up_proj" in p for p in found), found
     assert any(p.startswith("logits differ") for p in found), found
     assert _max_diff(tmp, "negative") > 100 * TOL
+
+
+def test_every_rank_sends_its_own_part_into_vllm(vllm_pushed: tuple[Path, list], kit: Any) -> None:
+    """`senders: all` after the negative control, as version 7: every rank's payloads land in the
+    one round rank 0 opened on the server (`SharesRounds`), every report is verified, every rank
+    sent and none received a point-to-point tensor; vLLM holds the checkpoint's bytes again and
+    gives Megatron's logits within 1e-4."""
+    tmp, rows = vllm_pushed
+    mine = {r["rank"]: r for r in rows if r["case"] == "vllm_spread"}
+    assert set(mine) == {0, 1, 2, 3} and all(r["ok"] and r["verified"] for r in mine.values())
+    assert all(r["send"] == 0 and r["recv"] == 0 for r in mine.values())
+    sent = {int(k): n for k, n in mine[0]["senders"].items()}
+    assert set(sent) == {0, 1, 2, 3} and min(sent.values()) > 0, sent
+    assert _version(tmp, "pushed", "vllm_spread") == str(VERSION + 2)
+    assert kit.problems(tmp / "vllm_spread.pushed.safetensors", tmp / "hf",
+                        tmp / "vllm_spread.logits.safetensors", torch.tensor(kit.IDS)) == []
+    assert _max_diff(tmp, "pushed", "vllm_spread") <= TOL
