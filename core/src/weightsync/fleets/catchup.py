@@ -1,12 +1,7 @@
-"""Catch-up by peer join, driven by the registry: a member that is behind the fleet's version
-(it registered late, or came back after a crash) pulls that version from a current member
-instead of waiting for the trainer. The registry picks the peer (the one serving fewest joiners),
-opens a share on it (a one-time token), and tells the joiner to pull with the trainer's digests
-for the version (the anchor, from the push that made it); the joiner checks every tensor against
-them and commits only a whole version. A peer that lies is named in the member's error and the
-next peer is tried. While it pulls, pushes skip it. If no peer can serve it
-(none current, none able to serve, or every peer failed), it is marked `behind` and the next push
-sends it whole tensors."""
+"""Catch-up by peer join, driven by the registry: a member behind the fleet's version pulls it from
+the current member serving fewest joiners, through a one-time share, checked against the trainer's
+digests for the version; pushes skip it meanwhile. A lying peer is named and the next one tried;
+with no peer able to serve it, it is marked `behind` and the next push sends it whole tensors."""
 
 from __future__ import annotations
 
@@ -59,9 +54,8 @@ class CatchUp:
                          and now - self.failed[m.reg.name][1] < self.cooldown))
 
     def due(self, m: Any) -> bool:
-        """A live member the next scan will start a peer join for (it registered or came back
-        behind the fleet a moment ago): a push leaves it to that join, as it does a member
-        already `joining`, instead of racing it. Called with the roster's lock held."""
+        """A live member the next scan will start a peer join for: a push leaves it to that join
+        instead of racing it. Called with the roster's lock held."""
         current = self.service.roster.current
         if not self.enabled or current is None or m.state != "live" \
                 or not self._lags(m, current, time.monotonic()):

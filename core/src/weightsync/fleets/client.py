@@ -1,6 +1,4 @@
-"""Talking to a fleet registry over HTTP: register, heartbeat, deregister, list. Used by
-members (`weightsync serve --fleet`, `weightsync join`, the disk agent), by `weightsync fleet ls`,
-and by a trainer whose registry runs elsewhere (`weightsync fleet serve`)."""
+"""Talking to a fleet registry over HTTP: register, heartbeat, deregister, list, report pushes."""
 
 from __future__ import annotations
 

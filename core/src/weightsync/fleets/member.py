@@ -1,7 +1,6 @@
-"""A member's side of the fleet: register, heartbeat every third of the lease with the version it
-holds, register again with its own credential when the registry forgot it (it restarted) or refuses
-it, saying why in `error` (the engine's /health shows it), deregister on the way out. Runs on a
-thread next to the engine (`weightsync serve --fleet`) or in a sidecar (`weightsync join`)."""
+"""A member's side of the fleet: register, heartbeat every third of the lease, register again with
+its own credential when the registry forgot or refuses it (saying why in `error`), deregister on
+the way out. Runs next to the engine (`weightsync serve --fleet`) or in `weightsync join`."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ log = logging.getLogger("weightsync.fleets")
 
 
 class Membership:
-    """`credential_file`: where this member keeps its credential (mode 0600), so that the same
-    member restarted (a crash, a new process) takes its name back at once; without it a
-    restarted member waits out the registry's release of the name (`RELEASE_LEASES` leases)."""
+    """`credential_file` keeps this member's credential (mode 0600), so the same member restarted
+    takes its name back at once instead of waiting out its release."""
 
     def __init__(self, registry: str, key: str | None, registration: dict[str, Any],
                  version: Callable[[], int | None] | None = None,
@@ -73,9 +71,7 @@ class Membership:
                 self.error = None
             except RegistryError as e:
                 if "is not registered" in str(e) or "another credential" in str(e):
-                    # the registry restarted (its roster is leases), or it holds the name under
-                    # another registration: register again with this member's own credential
-                    try:
+                    try:                          # the registry restarted or holds another
                         self.register()
                         self.error = None
                     except RegistryError as e2:

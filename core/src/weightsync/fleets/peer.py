@@ -1,24 +1,12 @@
-"""Peer join: a member that is behind pulls the current version from a member that holds it,
-instead of from the trainer or a disk.
+"""Peer join: a member that is behind pulls the current version from a member that holds it.
 
-The serving member opens a *share* (a random token with a time to live, handed out by the
-registry) and serves its live weights as a JSON manifest (version, buckets: tensors, byte count,
-digest) and one payload frame per bucket (the raw encoding: safetensors layout, never pickle). The
-joining member fetches through a `PeerSource` (HTTP here; a plugin may register RDMA), checks the
-manifest against a schema, stages every bucket through weightsync's receiver (names, shapes,
-dtypes against its own model; the digest of what it staged against the manifest's), and commits
-only when every bucket arrived and matched. A peer that serves other bytes is caught by digest and
-nothing is applied.
-
-The peer's own manifest proves only that the bytes arrived as the peer sent them. What anchors a
-join is the *trainer's* digests for the version (`anchor`: per bucket of its push, the tensor
-names and the digest of their final values, handed on by the registry): every staged tensor must
-match them, and a tensor the trainer never sends must equal the joiner's own. A peer that lies is
-named in the error and nothing is committed.
-
-A share token is bound to the version the peer held when the share opened and to one pull: the
-manifest once, each bucket once; it dies when the last bucket was served, the peer moves to
-another version, or its time to live runs out."""
+The serving member opens a *share* (a random token with a time to live, from the registry) and
+serves its live weights as a JSON manifest and one raw payload frame per bucket. The joiner
+fetches through a `PeerSource`, checks the manifest against a schema, stages every bucket through
+weightsync's receiver and commits only when all arrived and matched. The peer's manifest proves
+only that bytes arrived as sent: a join is anchored by the *trainer's* digests for the version
+(`anchor`, from the registry), and a tensor the trainer never sends must equal the joiner's own.
+A share serves one pull of the version it was opened at (the manifest once, each bucket once)."""
 
 from __future__ import annotations
 
@@ -87,8 +75,8 @@ def parse_manifest(raw: Any) -> PeerManifest:
 # -- serving side ------------------------------------------------------------------------------
 @dataclass
 class Shares:
-    """Tokens a serving member accepts, each until its expiry; and the manifest of its current
-    version (built once per version: one read of the weights to hash them)."""
+    """Tokens a serving member accepts, each until its expiry, and the manifest of its current
+    version (built once per version)."""
 
     bucket_bytes: int = 64 * 2**20
     key: bytes | None = None                      # the fleet's HMAC key: frames are signed
@@ -242,9 +230,8 @@ class HttpPeerSource(PeerSource):
 
 def pull(source: PeerSource, peer: Mapping[str, Any], session_for: Callable[[int], Any],
          holds: int) -> int:
-    """Fetch the peer's current version through `source` and stage it into the session that
-    `session_for(version)` opens; returns the version staged (the caller commits), or `holds`
-    when the peer has nothing newer. Raises PayloadError, naming the peer, on any mismatch."""
+    """Stage the peer's current version (through `source`) into `session_for(version)`; returns
+    it (the caller commits), or `holds` when the peer has nothing newer."""
     man = parse_manifest(source.manifest(peer))
     if man.version <= holds:
         return holds
@@ -271,9 +258,8 @@ def pull(source: PeerSource, peer: Mapping[str, Any], session_for: Callable[[int
 
 
 def check_anchor(peer: Mapping[str, Any], version: int, session: Any) -> None:
-    """What was staged against the trainer's digests for `version` (see the module docstring);
-    raises PayloadError naming the peer. Tensors of the model the trainer never sends must equal
-    the joiner's own (every member loaded them from the same checkpoint)."""
+    """What was staged against the trainer's digests for `version` (tensors the trainer never
+    sends against the joiner's own); PayloadError naming the peer."""
     from weightsync.wire.bucket import digest_algo
     anchor = peer.get("anchor")
     if not isinstance(anchor, Mapping) or not isinstance(anchor.get("buckets"), list):

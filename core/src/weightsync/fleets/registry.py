@@ -1,7 +1,6 @@
-"""Fleet `registry`: members register at run time. With no `url`, the trainer runs the registry
-itself (on `host:port`) and members register there; with `url`, it reads a registry started on
-its own (`weightsync fleet serve`). A registry never runs open: without a fleet key it refuses to
-start unless the config says `insecure: true`."""
+"""Fleet `registry`: members register at run time, with the trainer's own registry (on `host:port`)
+or one at `url` (`weightsync fleet serve`). Without a fleet key it refuses to start unless the
+config says `insecure: true`."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class RegistryOptions(BaseModel):
 
 
 def require_key(key: str | None, insecure: bool) -> None:
-    """A registry hands out the engines' keys to the trainer and decides who gets the weights:
-    it does not run without a key unless asked to in so many words."""
+    """A registry decides who gets the weights: it runs without a key only if told to."""
     if not key and not insecure:
         raise ConfigError("the fleet registry has no key: anyone who reaches it could join the "
                           "fleet and receive every push. Set api_key_file (or "

@@ -1,17 +1,9 @@
-"""The registry's state: members, their leases, versions and states. Small on purpose: it is
-rebuilt from registrations when the registry restarts (members register again at their next
-heartbeat); only the bindings of names to credentials outlive a process (the state file).
-
-Every registration gets a credential of its own (a random token): heartbeats, updates and
-deregistering name the member *and* carry its credential, so holding the fleet key lets a process
-register itself, never act as another member. A name stays bound to its credential (the registry
-keeps its SHA-256, never the secret, in its state file) until the member deregisters, or until
-nothing was heard from it for `RELEASE_LEASES` leases: a lapse or a registry restart never hands
-the name to the next registrant.
-
-States: `live` (in every push), `joining` (catching up from a peer; pushes skip it),
-`behind` (could not catch up from a peer; the next push sends it whole tensors),
-`lapsed` (its lease ran out: excluded until it heartbeats or registers again)."""
+"""The registry's state: members, leases, versions and states, rebuilt from registrations when the
+registry restarts. Every registration gets a credential of its own: later calls name the member
+*and* carry it, so the fleet key lets a process register itself, never act as another member. A
+name stays bound to its credential's SHA-256 (kept in the state file) until the member deregisters
+or is silent for `RELEASE_LEASES` leases. States: `live` (in every push), `joining` (catching up
+from a peer), `behind` (the next push sends it whole tensors), `lapsed` (lease ran out)."""
 
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ from weightsync.config import ComponentRef, EngineSpec
 from weightsync.net.server import Conflict409, HttpError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
-RELEASE_LEASES = 10
-"""Leases without a word from a name's member after which another member may take the name."""
+RELEASE_LEASES = 10   # silent leases after which another member may take a name
 
 
 def credential_hash(credential: str) -> str:
@@ -117,9 +108,8 @@ class Roster:
             credential_hash(credential), h)
 
     def check_name(self, reg: Registration, credential: str | None = None) -> None:
-        """Refuse a name a live member holds (409), or one bound to another member's credential
-        heard from within `release_after` seconds (a lapse or a registry restart does not free it),
-        unless `credential` is that member's own (it registers again, e.g. at a new URL)."""
+        """Refuse (409) a name a live member holds, or one bound to another credential heard from
+        within `release_after` seconds, unless `credential` is that member's own."""
         now = time.monotonic()
         with self.lock:
             self.expire()
@@ -179,8 +169,7 @@ class Roster:
             return m
 
     def _caught_up(self, m: MemberState) -> None:
-        """A `behind` member that holds the fleet's version (a push reached it, or a pull that
-        raced one) is live again; otherwise nothing would ever take it out of `behind`."""
+        """A `behind` member that holds the fleet's version is live again."""
         if m.state == "behind" and m.version is not None and self.current is not None \
                 and m.version >= self.current:
             m.state, m.error = "live", None

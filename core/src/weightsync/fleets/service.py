@@ -1,26 +1,19 @@
 """The fleet registry service: members register, heartbeat and deregister over HTTP; a member
-that registers (or comes back) at an older version catches up from a current peer before it takes
-part in pushes. Runs inside the trainer (`fleet: {kind: registry}`) or on its own
-(`weightsync fleet serve`).
+behind the fleet catches up from a peer before it takes part in pushes. Runs inside the trainer
+(`fleet: {kind: registry}`) or on its own (`weightsync fleet serve`).
 
   POST /fleet/register    Registration JSON (+ "credential" to register a held name again)
                           -> {"lease": s, "version": current, "member": {...}, "credential": c}
   POST /fleet/heartbeat   {"name": n, "credential": c, "version": v?} -> the member's view
   POST /fleet/deregister  {"name": n, "credential": c}
-  GET  /fleet             {"version": current, "lease": s, "members": [...]}
-                          (?with_keys=1: with each member's registration, engine key included;
-                          trainer only: header X-Weightsync-Trainer)
-                          (?rollouts=1: each engine member's URL, adapter kind and rollout key,
-                          which opens generation only; header X-Weightsync-Router, the router
-                          key, or the trainer key)
-  POST /fleet/synced      {"version": v, "versions": {name: v}, "anchor": [[names], digest]...}:
-                          what a push did, and its digests for peer joins (trainer only)
+  GET  /fleet             {"version": current, "lease": s, "members": [...]}; ?with_keys=1: with
+                          registrations (trainer key); ?rollouts=1: URL, adapter kind and rollout
+                          key per engine (router key, X-Weightsync-Router, or trainer key)
+  POST /fleet/synced      {"version": v, "versions": {name: v}, "anchor": [[names], digest]...}
 
-Every route needs the registry's API key (the fleet key). The fleet key lets a process register
-*itself*; what it gets back is a credential of its own, which every later call about that member
-must carry. The members' engine keys and the fleet's version are the trainer's: only a caller
-with the trainer key reads the keys or reports a push. A rollout router holds the router key:
-it reads the members' rollout keys (generation only) and nothing else."""
+Every route needs the fleet key, which lets a process register *itself*: later calls about a
+member carry the credential it got back. Only the trainer key (X-Weightsync-Trainer) reads the
+engine keys or reports a push; the router key reads the rollout keys and nothing else."""
 
 from __future__ import annotations
 
@@ -104,8 +97,8 @@ class RegistryService:
             return a
 
     def set_anchor(self, version: int, buckets: Any, save: bool = True) -> None:
-        """The trainer's digests for `version` (per bucket: tensor names, digest): what a peer
-        join checks its bytes against. The last few versions are kept."""
+        """The trainer's digests for `version` (per bucket: tensor names, digest), which peer
+        joins check; the last few versions are kept."""
         if not isinstance(buckets, list) or not all(
                 isinstance(b, (list, tuple)) and len(b) == 2 and isinstance(b[0], list)
                 and all(isinstance(n, str) for n in b[0]) and isinstance(b[1], str)
@@ -120,9 +113,8 @@ class RegistryService:
 
     # -- what outlives a restart: the fleet's version and the trainer's digests ---------------
     def _load_state(self) -> None:
-        """The fleet's version, digests and name bindings from `state_file` (members register
-        again at their next heartbeat, with the versions they hold and the credentials their
-        names are bound to: the roster itself is not kept)."""
+        """The fleet's version, digests and name bindings from `state_file` (not the roster:
+        members register again at their next heartbeat)."""
         if self.state_file is None or not self.state_file.exists():
             return
         try:
@@ -284,8 +276,7 @@ def _fleet(h: Any, q: dict) -> Any:
         return _rollouts(h, view)
     if q.get("with_keys", ["0"])[0] == "1":
         _trainer_only(h, "reading the members' engine keys")
-        with h.service.roster.lock:
-            regs = {m.reg.name: m.reg for m in h.service.roster.members.values()}
+        regs = _registrations(h.service)
         for m in view["members"]:
             r = regs.get(m["name"])
             if r is not None:
@@ -293,18 +284,21 @@ def _fleet(h: Any, q: dict) -> Any:
     return view
 
 
+def _registrations(svc: RegistryService) -> dict[str, Registration]:
+    with svc.roster.lock:
+        return {m.reg.name: m.reg for m in svc.roster.members.values()}
+
+
 def _rollouts(h: Any, view: dict[str, Any]) -> Any:
-    """What a rollout router needs of each engine member: its URL, adapter kind and rollout key
-    (never its engine key or options). Members with an engine key but no rollout key are left
-    out: the router could not call them."""
+    """Each engine member's URL, adapter kind and rollout key, for a router (never its engine
+    key); members with an engine key but no rollout key are left out."""
     svc = h.service
     if not (svc.is_trainer(h.headers.get("X-Weightsync-Trainer"))
             or svc.is_trainer(h.headers.get("X-Weightsync-Router"), svc.router_key or "")):
         raise HttpError(403, "the members' rollout keys are for the router: send the registry's "
                              "router key in X-Weightsync-Router (`weightsync fleet serve "
                              "--router-key-file`, the fleet option router_key_file)")
-    with svc.roster.lock:
-        regs = {m.reg.name: m.reg for m in svc.roster.members.values()}
+    regs = _registrations(svc)
     out = []
     for m in view["members"]:
         r = regs.get(m["name"])

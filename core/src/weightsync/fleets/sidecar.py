@@ -1,6 +1,5 @@
-"""`weightsync join` (a sidecar that registers an engine which cannot register itself) and
-`weightsync fleet serve` (a registry on its own). Both run until SIGTERM or SIGINT, then leave
-cleanly: the sidecar deregisters its engine."""
+"""`weightsync join` (registers an engine that cannot register itself) and `weightsync fleet serve`
+(a registry on its own); both run until SIGTERM or SIGINT, then leave cleanly."""
 
 from __future__ import annotations
 
