@@ -9,8 +9,9 @@ between them through a shaped link into one bridge.
 This process (root namespace) writes the synthetic model, builds the cluster and runs
 `worker.py` inside the trainer's namespace; the worker starts the engines in theirs, measures
 and writes JSON; this process adds the model's predictions (`model.py`), prints the table and
-writes the JSON and the PNG. Without root or iproute2 it prints why it skipped and exits 0: it
-never prints numbers it did not measure.
+writes the JSON and the PNG. `--senders 2,4` instead runs R trainer ranks on R hosts with
+`sync.senders: all` beside `rank0` (`senders.py`; JSON and table only). Without root or iproute2
+it prints why it skipped and exits 0: it never prints numbers it did not measure.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import senders
 from model import predict
 from model import table as model_table
 from worker import ENCODINGS, SHAPES
@@ -48,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="timed pushes per row, after one warm-up")
     p.add_argument("--piece", default="256KiB", help="chain/tree: bytes per forwarded piece "
                                                    "(and the relay floor's reads)")
+    p.add_argument("--senders", default=None, help="comma list of trainer ranks R (one host each, "
+                   "senders: all beside rank0; `senders.py`); default: one trainer, as always")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write the chart here (default: next to --json)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
@@ -55,8 +59,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.members = sorted({int(x) for x in args.members.split(",") if x.strip()})
     args.shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
     args.encodings = [e.strip() for e in args.encodings.split(",") if e.strip()]
+    args.senders = sorted({int(x) for x in args.senders.split(",") if x.strip()}) \
+        if args.senders else None
     from weightsync.config import parse_bytes
     args.piece_bytes = parse_bytes(args.piece)
+    if args.senders and (min(args.senders) < 1 or args.encodings != ["raw"]
+                         or any(s not in ("star", "chain", "tree") for s in args.shapes)):
+        p.error("--senders needs ranks of at least 1, shapes among star, chain, tree and "
+                "--encodings raw")
     if not args.members or min(args.members) < 1:
         p.error(f"--members needs sizes of at least 1, got {args.members}")
     for what, got, known in (("shape", args.shapes, SHAPES), ("encoding", args.encodings, ENCODINGS)):
@@ -205,6 +215,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_senders(args: argparse.Namespace) -> dict[str, Any]:
+    """`--senders`: R trainer ranks on R hosts, senders all beside rank0 (`senders.py`)."""
+    from weightsync_bench.netns import Cluster
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="weightsync-cluster-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        size = write_model(args.size, work / "model")
+        print(f"cluster bench --senders {args.senders}: {size / 2**20:.0f} MiB model, members "
+              f"{args.members}, shapes {args.shapes}, links {args.rate}", flush=True)
+        hosts = senders.hosts(args)
+        with Cluster(hosts, rate=args.rate, latency=args.latency) as c:
+            result = senders.run(c, args, work)
+            cluster = {k: v for k, v in c.spec().items() if k != "hosts"}
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    result.update({"model_bytes": size, "cluster": {**cluster, "hosts": len(hosts)},
+                   "senders": args.senders, "members": args.members, "shapes": args.shapes,
+                   "encodings": ["raw"], "repeat": args.repeat, "piece_bytes": args.piece_bytes,
+                   "cores": os.cpu_count(), "kernel": platform.release(),
+                   "loadavg_at_start": args.load0, "loadavg_at_end": round(os.getloadavg()[0], 2),
+                   "wall_s": round(time.perf_counter() - t0, 1),
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from weightsync_bench.netns import NetnsUnavailable, probe
@@ -212,6 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         probe()
     except NetnsUnavailable as e:
         print(f"cluster bench skipped: {e}")
+        return 0
+    if args.senders:
+        args.load0 = round(os.getloadavg()[0], 2)
+        result = run_senders(args)
+        print()
+        print(senders.table(result))
+        if args.json:                       # no chart: the table is the result
+            Path(args.json).write_text(json.dumps(result, indent=2))
+            print(f"\nwrote {args.json}")
         return 0
     result = run(args)
     print()
