@@ -1,9 +1,6 @@
-"""The engine side of a sync, for engines that run weightsync's own receiving code (the reference
-engine, the vLLM backend, the disk agent). It stages every bucket, checks names, shapes, dtypes and
-digests, and applies nothing until commit, so a failed sync leaves the engine at its old version.
-
-`stores`: what an engine exposes (`WeightStore`) and the checks against it; `staging`: the steps of
-receiving one payload; `session`: the round (`ReceiveSession`)."""
+"""The engine side of a sync, for engines that run weightsync's own receiving code: every bucket
+is staged and checked (names, shapes, dtypes, digests) and nothing is applied until commit.
+`stores`: what an engine exposes; `staging`: receiving one payload; `session`: the round."""
 
 from weightsync.receive.session import ReceiveSession
 from weightsync.receive.staging import (BodyReader, build_encoding, build_receiver, check_digest,

@@ -46,8 +46,7 @@ class ReceiveSession:
         return torch.empty_like(t, memory_format=torch.contiguous_format) if buf is None else buf
 
     def deliver(self, kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """A transport message (`Adapter.deliver`) for this round: its receiving half parses it,
-        staging through this session where it carries a payload."""
+        """A transport message (`Adapter.deliver`) for this round, parsed by the receiving half."""
         return self.rx.deliver(kind, body, self)
 
     def _claim(self, payload: Payload, names: list[str]) -> bool:
@@ -109,9 +108,8 @@ class ReceiveSession:
         return got
 
     def streams(self, header: Mapping[str, Any]) -> bool:
-        """Whether `apply_stream` can read this payload's body straight into staging: a body
-        carried in the request (http), an encoding whose wire form is the target tensors in
-        safetensors layout (raw, cast), xxh3 digests, and CPU tensors in the store."""
+        """Whether `apply_stream` can read this body straight into staging: in-band, a streaming
+        encoding (raw, cast), xxh3 digests, and CPU tensors in the store."""
         if not (self.rx.in_band and self.encoding.streams):
             return False
         if digest_algo(str(header.get("digest", ""))) != "xxh3":
@@ -124,13 +122,9 @@ class ReceiveSession:
 
     def apply_stream(self, header: Mapping[str, Any], read_into: Callable[[memoryview], int],
                      nbytes: int) -> str:
-        """`apply` for a body that is still arriving (the http route): `read_into(view)` fills
-        the start of `view` from the request and returns how many bytes it read (a socket's
-        `recv_into`, a buffered reader's `readinto`). Where `streams(header)`, every tensor is
-        read straight into its staging buffer and hashed piece by piece as it lands (no body
-        buffer, no staging copy); otherwise the body is read whole and `apply` runs. Exactly
-        `nbytes` are consumed either way, unless the request ends early (PayloadError), so the
-        connection can serve the next request after a refusal."""
+        """`apply` for a body still arriving through `read_into(view)` (the http route): read
+        straight into staging where `streams(header)`, else whole and then applied. Exactly
+        `nbytes` are consumed either way (unless the request ends early), even on a refusal."""
         if not self.streams(header):
             body = bytearray(nbytes)
             read_exact(read_into, memoryview(body))

@@ -62,13 +62,9 @@ def decode_checked(encoding: Encoding, payload: Payload, current: Callable[[str]
 def stage_digest(named: list[tuple[str, torch.Tensor]],
                  buffer: Callable[[str, torch.Tensor], torch.Tensor], algo: str,
                  private: bool = False) -> tuple[list[tuple[str, torch.Tensor]], str]:
-    """Copy each tensor into `buffer(name, t)` and digest what was written (the bucket digest
-    of the copies, with `algo`). xxh3 on CPU: one pass, each chunk hashed right after it was
-    copied (`weightsync.wire.digests.copy_digest`), the tensors spread over the cores; otherwise copy,
-    then digest the copies. `private`: the tensors live in memory only this process writes (a
-    receive buffer of its own), so each chunk may be hashed as it is read and streamed to the
-    staging buffer (fewer memory transfers); shared memory a sender could still write is hashed
-    from the copy."""
+    """Copy each tensor into `buffer(name, t)` and return the copies and their bucket digest
+    (`algo`): xxh3 on CPU in one pass (`copy_digest`), else copy, then digest. `private`: memory
+    only this process writes, hashed as it is read; otherwise hashed from the copy."""
     bufs = [(n, buffer(n, t)) for n, t in named]
     if algo == "xxh3" and all(t.device.type == "cpu" for _, t in named):
         digests = copy_digest_many([(b, t, tensor_header(n, t)) for (n, t), (_, b) in zip(named, bufs)],
@@ -136,14 +132,14 @@ class BodyReader:
 def read_staged(payload: Payload, reader: BodyReader,
                 buffer_for: Callable[[str, torch.dtype, list[int]], torch.Tensor],
                 check: Callable[[str, torch.Tensor], Any]) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """Read a payload body in safetensors layout from `reader` straight into one buffer per
-    tensor (`buffer_for(name, dtype, shape)`, CPU, contiguous), hashing each piece right after it
-    lands: the staged tensors and their xxh3-128 digests, both in the payload header's order.
-    The safetensors header is checked against the payload header (names, dtypes, shapes) and
-    `check(name, meta tensor)` (the engine's names and shapes) before any tensor byte is read,
-    and its offsets must tile the data section; a refused body is drained."""
+    """Read a safetensors body from `reader` straight into one CPU buffer per tensor
+    (`buffer_for(name, dtype, shape)`), hashing each piece as it lands: the staged tensors and
+    their xxh3-128 digests in header order. The body's header is checked against the payload's
+    and `check` before any tensor byte is read; a refused body is drained."""
+    from weightsync.wire.digests import Digest
     from weightsync.wire.frame import header_length, parse_header
     specs = {s.name: s for s in payload.specs}
+    out: dict[str, tuple[torch.Tensor, str]] = {}
     try:
         prefix = memoryview(bytearray(8))
         reader.exact(prefix)
@@ -170,12 +166,6 @@ def read_staged(payload: Payload, reader: BodyReader,
         if at != reader.left:
             raise PayloadError(f"bucket {payload.index}: tensors end at {at} of a {reader.left}-byte "
                                f"data section")
-    except BaseException:
-        reader.drain()
-        raise
-    from weightsync.wire.digests import Digest
-    out: dict[str, tuple[torch.Tensor, str]] = {}
-    try:
         for name, dtype, shape, a, b in entries:
             buf = buffer_for(name, dtype, shape)
             d = Digest(tensor_header(name, buf))
@@ -196,9 +186,8 @@ def read_staged(payload: Payload, reader: BodyReader,
 def stage_from(rx: TransportReceiver, header: Mapping[str, Any], named: list[tuple[str, torch.Tensor]],
                buffer: Callable[[str, torch.Tensor], torch.Tensor], algo: str
                ) -> tuple[list[tuple[str, torch.Tensor]], str]:
-    """`stage_digest` of a body transport receiver `rx` lent for `header`: hashed as it is read
-    where the body is the receiver's own memory (`rx.private`) or the receiver vouches for it
-    (`rx.hash_source(header)`, then `rx.unchanged(header)` after the copy), else from the copies."""
+    """`stage_digest` of a body `rx` lent for `header`: hashed as it is read where `rx.private`
+    or `rx.hash_source(header)` vouches for it (then `rx.unchanged(header)` after the copy)."""
     vouch = rx.hash_source(header)
     private = bool(vouch) if vouch is not None else bool(rx.private)
     out = stage_digest(named, buffer, algo, private)

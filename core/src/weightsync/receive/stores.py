@@ -22,8 +22,7 @@ class WeightStore(Protocol):
     def load(self, named: Mapping[str, torch.Tensor]) -> None: ...
 
     def staging_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
-        """A buffer the store keeps to stage `name` in, reused from round to round (warm
-        memory); None: not offered, the session stages into new memory."""
+        """A buffer the store keeps to stage `name` in across rounds; None: new memory."""
         ...
 
 
@@ -52,12 +51,9 @@ class ModuleStore:
 
 
 class DictStore(ModuleStore):
-    """Plain named tensors (a weights-only engine).
-
-    With `owned` (the default) nothing outside holds these tensors, so the store stages into
-    buffers it keeps from round to round (warm memory: no page faults per sync) and a commit
-    adopts the staged tensors instead of copying them; the old live tensors become the next
-    round's staging buffers. Each received byte is then copied exactly once on the engine side."""
+    """Plain named tensors (a weights-only engine). With `owned` (nothing outside holds them) it
+    stages into buffers kept across rounds, and a commit swaps staged and live tensors instead
+    of copying: each received byte is copied once on the engine side."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], owned: bool = True) -> None:
         self._tensors = dict(tensors)
