@@ -177,8 +177,7 @@ class UserError(Exception):
 
 
 def _plugin_commands(sub: argparse._SubParsersAction) -> None:
-    """Subcommands from plugins (`register_commands`). A plugin whose hook fails, or that takes a
-    name already taken, is skipped with a warning: the other commands still work."""
+    """Subcommands from plugins (`register_commands`); a plugin whose hook fails is skipped."""
     import logging
 
     from weightsync.plugins import make_plugin_manager
@@ -201,21 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
+    except Exception as e:  # noqa: BLE001 - weightsync's own errors are user-facing sentences
+        from weightsync.errors import WeightSyncError
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
             print(f"error: port {getattr(args, 'port', '?')} is already in use; pick another with "
                   f"--port (0: any free port)", file=sys.stderr)
             return 2
-        if isinstance(e, (FileNotFoundError, NotADirectoryError, PermissionError)):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
-    except Exception as e:  # noqa: BLE001 - weightsync's own errors are user-facing sentences
-        from weightsync.errors import WeightSyncError
-        if isinstance(e, WeightSyncError):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
+        if not isinstance(e, (UserError, WeightSyncError, FileNotFoundError, NotADirectoryError,
+                              PermissionError)):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2

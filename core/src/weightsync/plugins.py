@@ -1,13 +1,10 @@
-"""The plugin system in one module: the manager (built-ins and entry-point plugins go through the
-same hooks), the registries filled by calling the registration hooks once, and what `weightsync
-plugins` prints. Importing it is light (no interface, no torch), so the `weightsync` command can
-ask plugins for subcommands before it imports anything heavy: the interfaces load when the
-registries are first filled."""
+"""The plugin system: the manager (built-ins and entry-point plugins go through the same hooks),
+the registries filled by the registration hooks, and what `weightsync plugins` prints. Importing
+it is light (no torch), so the `weightsync` command asks plugins for subcommands at once."""
 
 from __future__ import annotations
 
 import difflib
-
 import importlib
 import importlib.metadata
 import logging
@@ -60,8 +57,7 @@ def _load_entrypoints(pm: pluggy.PluginManager, failed: dict[str, str], only: se
 
 
 def _load_modules(pm: pluggy.PluginManager, failed: dict[str, str], names: set[str]) -> None:
-    """Plugins named by module, not installed (pytest's PYTEST_PLUGINS): a plugin under test,
-    loaded into an engine's process through its environment."""
+    """Plugins named by module, not installed (a plugin under test, in an engine's process)."""
     for modname in sorted(names):
         if pm.get_plugin(modname) is not None:
             continue
@@ -175,8 +171,8 @@ class Components:
             self._call(f"register_{kind}s", self.registry(kind))
 
     def _call(self, hook: str, registry: Registry[Any]) -> None:
-        """Each plugin's hook separately: one that raises is recorded as failed (a warning) and
-        the others still register; a duplicate name stays an error."""
+        """Each plugin's hook separately: one that raises is recorded as failed and the others
+        still register; a duplicate name stays an error."""
         impls = list(reversed(getattr(self.pm.hook, hook).get_hookimpls()))
         if os.environ.get("WEIGHTSYNC_TRACE_PLUGINS"):
             # called one by one below, which pluggy's hookcall monitoring never sees: trace here

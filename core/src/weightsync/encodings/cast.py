@@ -1,6 +1,5 @@
-"""Encoding `cast`: floating tensors cast to one dtype (bf16, fp16, fp32) before they travel, so
-an fp32 trainer feeds a bf16 engine at half the bytes. Lossy by design; the digest is taken over
-the cast tensors, which are what the engine must end with."""
+"""Encoding `cast`: floating tensors cast to one dtype before they travel (an fp32 trainer feeds a
+bf16 engine at half the bytes); lossy, the digest is of the cast tensors."""
 
 from __future__ import annotations
 

@@ -23,9 +23,8 @@ class Member:
 
 
 class Fleet(Component):
-    """Where the members of a sync come from: a static list, a registry members join at run
-    time, Ray, a third party's Kubernetes. The pipeline asks it for the live members at the
-    start of every push and tells it what the push did; nothing more."""
+    """Where the members of a sync come from (a static list, a registry, Ray): asked for the live
+    members at the start of every push, told what the push did."""
 
     takes_engines: ClassVar[bool] = False
     """True when the fleet is (or starts from) the config's `engines:` list."""
@@ -52,9 +51,8 @@ class Fleet(Component):
 
 
 class PeerSource(Component):
-    """How a joining member fetches a current member's weights: a JSON manifest (version, buckets
-    with their tensors and digests) and one payload per bucket. HTTP is built in; a plugin may carry
-    bytes another way (RDMA) under another source name, which peers advertise."""
+    """How a joining member fetches a current member's weights: a JSON manifest and one payload per
+    bucket (HTTP built in; a plugin may carry bytes another way under another source name)."""
 
     @abc.abstractmethod
     def manifest(self, peer: Mapping[str, Any]) -> dict[str, Any]:

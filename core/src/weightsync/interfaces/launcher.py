@@ -31,10 +31,9 @@ class Launcher:
     @classmethod
     def start_command(cls, model: str, host: str, port: int, name: str,
                       options: dict[str, Any], env: dict[str, str], **extra: Any) -> list[str]:
-        """The argv that starts this engine on `model` listening on host:port (Ray's engine
-        actors). May add to `env` and `options` (a token the adapter must send). "{python}" in
-        the argv stands for the node's interpreter; `extra` holds the launch's other fields
-        (device, load_roots, api_key) for the engines that read them."""
+        """The argv that starts this engine on `model` at host:port (Ray's engine actors); may
+        add to `env` and `options`. "{python}" stands for the node's interpreter; `extra`: the
+        launch's other fields (device, load_roots, api_key)."""
         raise Unsupported(f"launcher {cls.name!r} has no start command; give the launch a `command`")
 
     @classmethod

@@ -1,9 +1,6 @@
-"""Messages: what a transport's sending half tells the engine side, delivered through the one
-adapter member `Adapter.deliver` (as vLLM's weight-transfer API carries per-backend `init_info`
-and `update_info`). The sending half builds them; the receiving half of the same transport parses
-them inside the engine (`TransportReceiver.deliver`). A transport that needs a new engine-side
-verb defines a new Message subclass next to its halves: `Adapter` and the engine plugins whose
-engine runs weightsync's receiver stay as they are."""
+"""Messages: what a transport's sending half tells the engine side through the one adapter member
+`Adapter.deliver`; the receiving half of the same transport parses them inside the engine. A
+transport that needs a new engine-side verb defines a Message subclass; adapters stay as they are."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ class Message:
 
 
 class Announce(Message):
-    """A payload whose body travels out of band (shared memory, a broadcast, a file): `body` is its
-    header. The engine stages it and answers {"digest": ...} once it holds the bytes. Announces of
-    one round carry `index` (and `seq` where order matters); an engine takes them in that order."""
+    """A payload whose body travels out of band (shared memory, a broadcast): `body` is its
+    header; the engine stages it and answers {"digest": ...}."""
 
     kind = "announce"

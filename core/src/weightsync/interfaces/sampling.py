@@ -16,11 +16,9 @@ __all__ = ["Gate", "NotFitting", "Refused", "Sample", "SamplingParams", "StaleEn
 
 
 class SamplingParams(BaseModel):
-    """How to sample. `temperature: 0` is greedy; `top_k: 0` and `top_p: 1` switch those filters
-    off. Logprobs are always returned: the log-probability of each sampled token, under the
-    distribution each `Sample` names (its `temperature`, `top_k`, `top_p`: the engine's own).
-    A sample ends after `max_new_tokens` or at a token of `stop_token_ids`; the model's own
-    end-of-sequence token stops it only when listed there (every engine is asked to ignore it)."""
+    """How to sample. `temperature: 0` is greedy; `top_k: 0` and `top_p: 1` are off. Logprobs
+    are always returned. A sample ends after `max_new_tokens` or at a token of `stop_token_ids`
+    (the model's own end-of-sequence token only when listed there)."""
 
     model_config = ConfigDict(extra="forbid")
     n: int = Field(1, ge=1, le=1024, description="samples per prompt")
@@ -58,17 +56,11 @@ class Gate(BaseModel):
 
 @dataclass
 class Sample:
-    """One generated sequence. `version` is the weight version its first token was computed
-    with and `version_end` the one of its last: they differ only when a swap happened during the
-    generation (`mixed`), and such a sample is never reported as one version. `token_versions`
-    holds the version of every token where the engine knows it (empty: not reported).
-    By default an engine prefills a generation again with the new weights at a swap, so each
-    token's logprob is its own version's forward pass over the whole sequence; `stale_kv` says
-    it did not (asked for by a pause mode): tokens after the swap were computed over the old
-    weights' KV cache and belong to neither version's policy. `temperature`,
-    `top_k` and `top_p` say which distribution `logprobs` are of (engines differ: the log of
-    the temperature-scaled probabilities before any filter, or renormalised over the top-k /
-    top-p tokens, or raw), so a trainer computes its side the same way."""
+    """One generated sequence. `version` / `version_end`: the weight versions of its first and
+    last token (they differ after a swap: `mixed`); `token_versions`: every token's, where known.
+    `stale_kv`: tokens after a swap were computed over the old weights' KV cache (not prefilled
+    again). `temperature`, `top_k`, `top_p`: which distribution `logprobs` are of (engines
+    differ), so a trainer computes its side the same way."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -146,6 +138,5 @@ class StaleEngines(WeightSyncError):
 
 
 class Refused(WeightSyncError):
-    """An engine refused a generation request as malformed (an HTTP 4xx: a token id outside its
-    vocabulary, a prompt too long): the caller's to fix. No other engine is tried with it, and
-    the engine is not marked down."""
+    """An engine refused a generation request as malformed (an HTTP 4xx): the caller's to fix; no
+    other engine is tried and the engine is not marked down."""
