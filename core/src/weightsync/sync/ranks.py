@@ -37,32 +37,42 @@ def device_of(dist: Any) -> Any:
     return torch.device("cuda", torch.cuda.current_device()) if gpu else "cpu"
 
 
-def share_int(value: int | None) -> int:
+def _done(work: Any, timeout: float | None) -> None:
+    """Wait for a collective; past `timeout` seconds a RuntimeError (a rank frozen or gone)."""
+    import datetime
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=max(0.1, timeout)))
+
+
+def share_int(value: int | None, timeout: float | None = None) -> int:
     """Rank 0's `value` on every rank of the trainer's default group (the others pass None)."""
     import torch
     dist = world()
     assert dist is not None
     t = torch.tensor([value if value is not None else 0], dtype=torch.int64, device=device_of(dist))
-    dist.broadcast(t, 0)
+    _done(dist.broadcast(t, 0, async_op=True), timeout)
     return int(t.item())
 
 
-def share_json(value: Any = None, *, leader: bool) -> Any:
-    """Rank 0's JSON `value` on every rank (JSON bytes in a tensor broadcast: never pickle)."""
+def share_json(value: Any = None, *, leader: bool, timeout: float | None = None) -> Any:
+    """Rank 0's JSON `value` on every rank (JSON bytes in a tensor broadcast: never pickle);
+    `timeout`: seconds each of its two broadcasts may wait for the other ranks."""
     import torch
     dist = world()
     assert dist is not None
     data = json.dumps(value).encode() if leader else b""
-    n = share_int(len(data) if leader else None)
+    n = share_int(len(data) if leader else None, timeout)
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if leader and n
            else torch.empty(n, dtype=torch.uint8)).to(device_of(dist))
-    dist.broadcast(buf, 0)
+    _done(dist.broadcast(buf, 0, async_op=True), timeout)
     return value if leader else json.loads(bytes(buf.cpu().numpy()))
 
 
-def gather_json(value: Any) -> list[Any]:
+def gather_json(value: Any, timeout: float | None = None) -> list[Any]:
     """Every rank's JSON `value`, in rank order, on every rank (one all-gather of the sizes,
-    one of the padded bytes)."""
+    one of the padded bytes, each waiting at most `timeout` seconds)."""
     import torch
     dist = world()
     assert dist is not None
@@ -70,12 +80,12 @@ def gather_json(value: Any) -> list[Any]:
     data = json.dumps(value).encode()
     n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, n)
+    _done(dist.all_gather(sizes, n, async_op=True), timeout)
     most = max(int(s.item()) for s in sizes)
     buf = torch.zeros(most, dtype=torch.uint8)
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     bufs = [torch.empty(most, dtype=torch.uint8, device=dev) for _ in sizes]
-    dist.all_gather(bufs, buf.to(dev))
+    _done(dist.all_gather(bufs, buf.to(dev), async_op=True), timeout)
     return [json.loads(bytes(b[:int(s.item())].cpu().numpy())) for b, s in zip(bufs, sizes)]
 
 

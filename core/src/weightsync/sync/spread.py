@@ -6,8 +6,9 @@ engine opened, the encoding), and every rank, rank 0 too, opens its own transpor
 streams the buckets it owns (`Exporter.owned`: numbered in the whole push's order) and finishes.
 What each rank sent (digests, names, failures, bytes) comes back in one gather; the engines are
 verified against the union of every rank's digests. An engine one rank failed to reach fails; a
-rank that raised fails every engine; a rank that died breaks the gather and with it the round:
-nothing is committed, every engine is aborted and resumed. Orders, results and the end travel as
+rank that raised fails every engine; a rank that died, or is still busy at the push's deadline,
+breaks the gather and with it the round: nothing is committed, every engine is aborted and
+resumed, and the trainer's group is not used again by the push. Orders, results and the end travel as
 JSON in tensors over the trainer's own group, never pickled."""
 
 from __future__ import annotations
@@ -70,10 +71,11 @@ def send_own(stream: Stream, model: Any, name_map: NameMap | None, engines: list
             "wire_bytes": local.wire_bytes, "changed": stream.changed, "elements": stream.elements}
 
 
-def gathered(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's result; a broken group (a rank died or left) is `RanksLost`."""
+def gathered(result: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """Every rank's result, within `timeout` seconds; a broken group (a rank died, or is still
+    busy at the push's deadline) is `RanksLost`."""
     try:
-        return gather_json(result)
+        return gather_json(result, timeout)
     except RuntimeError as e:        # gloo / nccl: a peer closed its connection or timed out
         raise RanksLost(f"a trainer rank stopped during the push ({e}); nothing was committed",
                         None) from e
@@ -96,7 +98,7 @@ class SpreadRound(GroupRound):
         mine = send_own(self.stream, model, name_map, active, version, mode, count)
         with clock.timed("gather"):
             try:
-                everyone = gathered(mine)
+                everyone = gathered(mine, clock.left() + 5)
             except RanksLost as e:
                 e.report = report
                 raise
@@ -134,10 +136,12 @@ def follow(sync: "WeightSync", model: Any, version: int, name_map: NameMap | Non
     """A rank other than 0 in a spread push: take rank 0's orders (a round's sending stage each)
     until it says done, then commit or roll back the encoding as rank 0 did. `stream(encoding)`
     builds this rank's data path."""
-    begun = False
+    begun, first = False, True
     try:
         while True:
-            order = share_json(leader=False)
+            # the first order waits for rank 0 to call push at all; later ones, a push at most
+            order = share_json(leader=False, timeout=None if first else sync.settings.deadline)
+            first = False
             if order["op"] == "done":
                 break
             encoding = sync.encoding if order["encoding"] == "main" else sync._raw()
@@ -145,15 +149,21 @@ def follow(sync: "WeightSync", model: Any, version: int, name_map: NameMap | Non
                 encoding.begin(version)
                 begun = True
             deadline = time.monotonic() + float(order["left"])
-            engines = []
+            engines, broken = [], {}
             for e in order["engines"]:
-                a = sync._adapter(Member(e["name"], EngineSpec.model_validate(e["spec"])))
-                a.deadline, a.lease = deadline, sync.settings.lease
-                _shares(a).join_round(e["round"])
-                engines.append(a)
+                try:
+                    a = sync._adapter(Member(e["name"], EngineSpec.model_validate(e["spec"])))
+                    a.deadline, a.lease = deadline, sync.settings.lease
+                    _shares(a).join_round(e["round"])
+                    engines.append(a)
+                except Exception as err:  # noqa: BLE001 - that engine fails; this rank exports on
+                    broken[e["name"]] = ["open", f"trainer rank {rank()}: {err}"]
             sync.transport.deadline = deadline
-            gathered(send_own(stream(encoding), model, name_map, engines, version, order["mode"],
-                              order["count"]))
+            result = send_own(stream(encoding), model, name_map, engines, version, order["mode"],
+                              order["count"])
+            if "failed" in result:
+                result["failed"].update(broken)
+            gathered(result, deadline - time.monotonic() + 5)
     except RuntimeError as e:
         raise RanksLost(f"trainer rank 0 or another rank stopped during the push ({e})", None) from e
     if begun:

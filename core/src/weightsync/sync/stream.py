@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -50,6 +51,24 @@ class Progress:
 
 class Stream:
     """Runs the export -> encode -> send loop for one round."""
+
+    def _late(self, grace: float = 0.0) -> bool:
+        """Past the transport's sending deadline (plus `grace` seconds)."""
+        end = self.transport.deadline
+        return end is not None and time.monotonic() > end + grace
+
+    def _next(self, q: queue.Queue) -> Any:
+        """The next item of the export, waiting no later than the sending deadline: an export
+        stuck in a collective (a trainer rank frozen) fails the round instead of the push
+        hanging on."""
+        while True:
+            end = self.transport.deadline
+            try:
+                return q.get(timeout=None if end is None else max(0.05, end - time.monotonic()))
+            except queue.Empty:
+                if self._late():
+                    raise TimeoutError("the export made no bucket before the push's deadline "
+                                       "(a trainer rank stuck in a collective?)") from None
 
     def __init__(self, exporter: Exporter, encoding: Encoding, transport: Transport,
                  max_inflight: int, progress: str, timed: Callable[[str], Any],
@@ -111,7 +130,7 @@ class Stream:
         worker.start()
         try:
             while True:
-                item = q.get()
+                item = self._next(q)
                 if item is _DONE:
                     break
                 if isinstance(item, BaseException):
@@ -154,11 +173,13 @@ class Stream:
                 try:
                     left = q.get(timeout=0.05)
                 except queue.Empty:
+                    if self._late(5.0):
+                        break       # the export is stuck (in a collective): left behind
                     continue
                 if isinstance(left, Payload):
                     self.transport.discard(left)
                 slots.release()
-            worker.join()
+            worker.join(timeout=0.1 if self._late(5.0) else None)
             bar.close()
             self.changed, self.elements = changed, elements
         return active

@@ -82,11 +82,12 @@ class Expectation:
 
 
 class Desk:
-    """A round's relay state: the relay token the trainer gave this member, the expected
-    buckets, and each one's outcome for the trainer's long poll."""
+    """A round's relay state: the relay tokens the trainer gave this member (one per sending
+    rank: with `senders: all` each rank relays its own buckets), the expected buckets, and each
+    one's outcome for the trainer's long poll."""
 
     def __init__(self) -> None:
-        self.token: str | None = None
+        self.tokens: set[str] = set()
         self.expected: dict[int, Expectation] = {}
         self.cond = threading.Condition()
 
@@ -96,13 +97,14 @@ class Desk:
         if not isinstance(token, str) or len(token) < 16:
             raise PayloadError("relay expectation lacks a relay token of at least 16 characters")
         with self.cond:
-            self.token = token
+            self.tokens.add(token)
             self.expected[e.index] = e
 
     def check_token(self, got: str | None) -> None:
         """Before any body byte is read: only a parent the trainer named may post."""
-        want = self.token
-        if want is None or not isinstance(got, str) or not hmac.compare_digest(got, want):
+        with self.cond:
+            tokens = list(self.tokens)
+        if not isinstance(got, str) or not any(hmac.compare_digest(got, t) for t in tokens):
             raise PayloadError("relay refused: no relay token, or not the one the trainer gave "
                                "this member for this round")
 
