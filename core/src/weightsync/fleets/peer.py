@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping
 import requests
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from weightsync.wire.bucket import digest_tensors, dtype_name
+from weightsync.wire import bucket as buckets
+from weightsync.wire.bucket import digest_tensors
 from weightsync.errors import PayloadError
 from weightsync.interfaces import NoOptions, PeerSource
 from weightsync.wire.frame import frame, pack, unframe
@@ -128,26 +129,13 @@ class Shares:
         with self.lock:
             if self._manifest is not None and self._manifest[0] == version:
                 return self._manifest[1]
-        plan: list[list[str]] = [[]]
-        size = 0
-        for n in store.names():
-            t = store.get(n)
-            nb = t.numel() * t.element_size()
-            if plan[-1] and size + nb > self.bucket_bytes:
-                plan.append([])
-                size = 0
-            plan[-1].append(n)
-            size += nb
-        buckets = []
-        for i, names in enumerate(plan):
-            named = [(n, store.get(n)) for n in names]
-            buckets.append({"index": i, "last": i == len(plan) - 1, "digest": digest_tensors(named),
-                            "nbytes": sum(t.numel() * t.element_size() for _, t in named),
-                            "tensors": [{"name": n, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-                                        for n, t in named]})
-        out = {"format": FORMAT, "version": version, "buckets": buckets}
+        plan = list(buckets.pack(((n, store.get(n)) for n in store.names()), self.bucket_bytes))
+        plan = plan or [buckets.Bucket(0, [], last=True)]      # an empty model: one empty bucket
+        out = {"format": FORMAT, "version": version, "buckets": [
+            {"index": b.index, "last": b.last, "digest": b.digest(), "nbytes": b.nbytes,
+             "tensors": [s.to_json() for s in b.specs()]} for b in plan]}
         with self.lock:
-            self._manifest = (version, out, plan)
+            self._manifest = (version, out, [b.names for b in plan])
         return out
 
     def bucket(self, version: int, index: int, store: Any) -> list[Any]:

@@ -20,6 +20,7 @@ import torch
 
 from weightsync.errors import PayloadError, TransportError
 from weightsync.net.server import HttpError, Routes, Streamed, make_server
+from weightsync.wire.bucket import tensor_bytes
 
 __all__ = ["BodyServer", "Live", "REASON_HEADER", "ROUTE", "TOKEN_HEADER", "fetch"]
 
@@ -145,9 +146,7 @@ class BodyServer:
         if isinstance(body, torch.Tensor):
             if body.device.type != "cpu" or not body.is_contiguous():
                 raise ValueError("a published body must be a contiguous CPU tensor")
-            # numpy's stubs give ndarray __buffer__ only on Python 3.12+
-            view = (memoryview(body.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                    if body.numel() else memoryview(b""))
+            view = tensor_bytes(body)
         else:
             view = memoryview(body).cast("B")
         bid, token = secrets.token_hex(8), secrets.token_urlsafe(16)

@@ -8,7 +8,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from weightsync.wire.bucket import combine_digests, digest_tensors, dtype_name, tensor_header
+from weightsync.wire.bucket import (combine_digests, digest_tensors, dtype_name, tensor_bytes,
+                                    tensor_header)
 from weightsync.config import ComponentRef, build_options
 from weightsync.errors import PayloadError
 from weightsync.wire.digests import copy_digest_many
@@ -171,10 +172,7 @@ def read_staged(payload: Payload, reader: BodyReader,
             d = Digest(tensor_header(name, buf))
             if b > a:
                 base = buf.data_ptr()
-                # numpy's stubs give ndarray __buffer__ only on Python 3.12+
-                view = memoryview(
-                    buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                reader.exact(view, lambda off, k: d.update_at(base + off, k))
+                reader.exact(tensor_bytes(buf), lambda off, k: d.update_at(base + off, k))
             out[name] = (buf, d.hexdigest())
     except BaseException:
         reader.drain()

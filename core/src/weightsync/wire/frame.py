@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from weightsync.wire.bucket import dtype_from_name, dtype_name
+from weightsync.wire.bucket import dtype_from_name, dtype_name, tensor_bytes
 from weightsync.errors import PayloadError
 
 __all__ = ["SAFETENSORS_DTYPES", "frame", "header_entries", "header_length", "pack", "pack_digest",
@@ -215,8 +215,7 @@ def frame(header: dict[str, Any], body: torch.Tensor | bytes | memoryview) -> li
     """HTTP frame: u64 header length, JSON payload header, body. Returned as parts (no join copy)."""
     raw = json.dumps(header, separators=(",", ":")).encode()
     if isinstance(body, torch.Tensor):
-        # numpy's stubs give ndarray __buffer__ only on Python 3.12+
-        body = memoryview(body.numpy()) if body.numel() else b""  # type: ignore[arg-type]
+        body = tensor_bytes(body)
     return [struct.pack("<Q", len(raw)), raw, body]
 
 
