@@ -1,24 +1,15 @@
 """weightsync: move an RL trainer's weights into running inference engines.
 
-Quick start::
-
-    # sync.yaml
-    # transport: http          # or shm, collective, disk_delta (plugin)
-    # adapter: reference       # or vllm, sglang, lmdeploy (plugins)
-    # engines: [{url: "http://127.0.0.1:8100"}]
+Quick start (sync.yaml: `transport: http`, `adapter: reference`, `engines: [{url: ...}]`)::
 
     from weightsync import WeightSync
-    sync = WeightSync.from_config("sync.yaml")
-    for step in range(steps):
-        train_step(model)
-        report = sync.push(model, version=step + 1)   # stream, verify, pause, commit, resume
-        print(report.summary())
-    sync.close()
+    with WeightSync.from_config("sync.yaml") as sync:
+        for step in range(steps):
+            train_step(model)
+            print(sync.push(model, version=step + 1).summary())   # verify, pause, commit, resume
 
-Plugins add components through six pluggy hooks (see `weightsync.hookspecs`).
-
-Names load on first use, so `weightsync --help` and a plugin's `plugin.py` do not pay for
-torch until something needs it."""
+Plugins add components through pluggy hooks (`weightsync.hookspecs`). Names load on first use,
+so `weightsync --help` and a plugin's `plugin.py` do not pay for torch."""
 
 from __future__ import annotations
 

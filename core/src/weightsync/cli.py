@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import json
 import sys
 from typing import Any, Sequence, cast
@@ -20,11 +21,10 @@ def _versions() -> str:
     for d in distributions():
         # an email Message: typeshed's PackageMetadata declares .get only from Python 3.12
         name = (cast(Any, d.metadata).get("Name") or "").lower().replace("_", "-")
-        if name == "weightsync-core" or name.startswith("weightsync-"):
+        if name.startswith("weightsync-"):
             seen[name] = d.version
     core = seen.pop("weightsync-core", "not installed")
-    lines = [f"weightsync-core {core}"] + [f"{n} {v}" for n, v in sorted(seen.items())]
-    return "\n".join(lines)
+    return "\n".join([f"weightsync-core {core}"] + [f"{n} {v}" for n, v in sorted(seen.items())])
 
 
 class _Version(argparse.Action):
@@ -74,14 +74,9 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _join(args: argparse.Namespace) -> int:
-    from weightsync.fleets.sidecar import run_sidecar
-    return run_sidecar(args)
-
-
-def _fleet_serve(args: argparse.Namespace) -> int:
-    from weightsync.fleets.sidecar import run_registry
-    return run_registry(args)
+def _lazy(module: str, name: str) -> Any:
+    """A subcommand whose module is imported only when it runs."""
+    return lambda args: getattr(importlib.import_module(module), name)(args)
 
 
 def _fleet_ls(args: argparse.Namespace) -> int:
@@ -141,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--rollout-key-file", default=None, metavar="FILE",
                     help="a key of the engine that opens generation and no weight route (or "
                     "$WEIGHTSYNC_ROLLOUT_KEY): what the registry gives a rollout router")
-    sp.set_defaults(fn=_join)
+    sp.set_defaults(fn=_lazy("weightsync.fleets.sidecar", "run_sidecar"))
 
     fp = sub.add_parser("fleet", help="the fleet registry: serve it, list its members",
                         formatter_class=_FMT)
@@ -162,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
                     help="serve without a fleet key (anyone who reaches it can join)")
     sp.add_argument("--lease", type=float, default=10.0, help="seconds a member stays without a heartbeat")
     sp.add_argument("--no-peer-join", action="store_true", help="members behind wait for the next push")
-    sp.set_defaults(fn=_fleet_serve)
+    sp.set_defaults(fn=_lazy("weightsync.fleets.sidecar", "run_registry"))
     sp = fsub.add_parser("ls", help="list a registry's members", formatter_class=_FMT)
     sp.add_argument("--registry", required=True, metavar="URL", help="the fleet registry")
     key_args(sp, "the registry", "WEIGHTSYNC_FLEET_KEY")

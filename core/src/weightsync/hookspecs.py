@@ -59,10 +59,9 @@ def register_launchers(register: Callable[[type[Launcher]], None]) -> None:
 
 @hookspec
 def add_hookspecs(pluginmanager: pluggy.PluginManager) -> None:
-    """Add an application's own hooks (pytest's `pytest_addhooks`): call
-    `pluginmanager.add_hookspecs(module)`. Called once every plugin is registered, before their
-    hook implementations are checked. A plugin that implements another distribution's hook marks
-    it `@hookimpl(optionalhook=True)`, so it still loads where that distribution is not installed."""
+    """Add an application's own hooks (`pluginmanager.add_hookspecs(module)`), once every plugin
+    is registered; an implementation of another distribution's hook is marked
+    `@hookimpl(optionalhook=True)`, so it loads where that distribution is not installed."""
 
 
 @hookspec

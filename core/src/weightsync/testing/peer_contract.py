@@ -14,6 +14,7 @@ import torch
 
 from weightsync.wire.bucket import digest_tensors, dtype_name
 from weightsync.errors import PayloadError
+from weightsync.fleets.peer import PeerManifest, parse_manifest
 from weightsync.interfaces import PeerSource
 from weightsync.testing.contract_base import Contract
 
@@ -50,10 +51,16 @@ class PeerSourceContract(Contract, abc.ABC):
     def source(self) -> PeerSource:
         return self.make_source()
 
+    @staticmethod
+    def _share(source: PeerSource, peer: ServingPeer) -> tuple[dict[str, Any], PeerManifest]:
+        """A fresh share, naming the version of its manifest (read with it), and that manifest."""
+        share = peer.share()
+        man = parse_manifest(source.manifest(share))
+        return {**share, "version": man.version}, man
+
     def test_manifest_names_the_version_and_every_tensor(self, source: PeerSource,
                                                          peer: ServingPeer) -> None:
-        from weightsync.fleets.peer import parse_manifest
-        man = parse_manifest(source.manifest(peer.share()))
+        _, man = self._share(source, peer)
         assert man.version == peer.version
         listed = {t.name: t for b in man.buckets for t in b.tensors}
         assert set(listed) == set(peer.weights)
@@ -64,11 +71,8 @@ class PeerSourceContract(Contract, abc.ABC):
 
     def test_every_bucket_matches_its_digest_and_the_weights(self, source: PeerSource,
                                                              peer: ServingPeer) -> None:
-        from weightsync.fleets.peer import parse_manifest
         from weightsync.wire.frame import unpack
-        share = peer.share()
-        man = parse_manifest(source.manifest(share))
-        share = {**share, "version": man.version}
+        share, man = self._share(source, peer)
         seen: set[str] = set()
         for b in man.buckets:
             header, body = source.bucket(share, b.index)
@@ -88,10 +92,7 @@ class PeerSourceContract(Contract, abc.ABC):
             source.manifest(share)
 
     def test_a_token_serves_one_pull(self, source: PeerSource, peer: ServingPeer) -> None:
-        from weightsync.fleets.peer import parse_manifest
-        share = peer.share()
-        man = parse_manifest(source.manifest(share))
-        share = {**share, "version": man.version}
+        share, man = self._share(source, peer)
         for b in man.buckets:
             source.bucket(share, b.index)
         with pytest.raises(PayloadError, match="token"):
@@ -101,9 +102,6 @@ class PeerSourceContract(Contract, abc.ABC):
 
     def test_an_index_outside_the_manifest_fails_clearly(self, source: PeerSource,
                                                          peer: ServingPeer) -> None:
-        from weightsync.fleets.peer import parse_manifest
-        share = peer.share()
-        man = parse_manifest(source.manifest(share))
-        outside = len(man.buckets)
-        with pytest.raises(PayloadError, match=f"bucket {outside}"):
-            source.bucket({**share, "version": man.version}, outside)
+        share, man = self._share(source, peer)
+        with pytest.raises(PayloadError, match=f"bucket {len(man.buckets)}"):
+            source.bucket(share, len(man.buckets))

@@ -9,12 +9,8 @@ mod 2^64 (k = 1, 2), with K_1, K_2 fixed odd 64-bit keys from splitmix64. The te
 xxh3-128 over the tensor header (name, dtype, shape), the byte count and every S_k[j] in order.
 
 A single changed word always changes the sums (an odd key times a nonzero 32-bit difference is
-never 0 mod 2^64); random corruption passes with probability about 2^-64. Like xxh3, it catches
-corruption, not forgery.
-
-On CUDA a Triton kernel (when Triton is installed) reads every word once, at the device's read
-bandwidth; elsewhere torch integer ops compute the same sums, in slabs, so the temporary memory
-stays at a few chunks."""
+never 0 mod 2^64). Like xxh3, it catches corruption, not forgery. On CUDA a Triton kernel reads
+every word once; elsewhere torch integer ops compute the same sums, a few chunks at a time."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ class Segment:
     mm: mmap.mmap | None = None
     ipc: dict[str, Any] | None = None
     free: threading.Event = field(default_factory=threading.Event)
-    readers: dict[str, Any] = field(default_factory=dict)   # engine -> its announce (is_alive)
+    readers: dict[str, Any] = field(default_factory=dict)   # engine -> its announce's Future
     generation: int = 0
 
     def __post_init__(self) -> None:

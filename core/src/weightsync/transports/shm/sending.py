@@ -32,16 +32,6 @@ class ShmOptions(BaseModel):
                                                   "the end of every sync)")
 
 
-class _Read:
-    """An engine's announce of one buffer on the transport's pool (`is_alive` as a thread's)."""
-
-    def __init__(self, future: Future) -> None:
-        self.future = future
-
-    def is_alive(self) -> bool:
-        return not self.future.done()
-
-
 class ShmTransport(Transport):
     name = "shm"
     Options = ShmOptions
@@ -88,7 +78,7 @@ class ShmTransport(Transport):
             seg = self.segs[self.turn]
             self.turn = (self.turn + 1) % len(self.segs)
         if not seg.free.wait(self.options.timeout):
-            busy = sorted(n for n, t in seg.readers.items() if t.is_alive())
+            busy = sorted(n for n, f in seg.readers.items() if not f.done())
             raise TransportError(f"shm buffer {seg.index} is still being read by {busy} after "
                                  f"{self.options.timeout}s; raise transport option 'timeout' or "
                                  f"check those engines")
@@ -109,7 +99,7 @@ class ShmTransport(Transport):
         with self.lock:
             self.turn = 0
             for s in self.segs:          # a payload allocated by an aborted sync was never sent
-                if not any(t.is_alive() for t in s.readers.values()):
+                if all(f.done() for f in s.readers.values()):
                     s.readers.clear()
                     s.free.set()
         self.errors.clear()
@@ -149,7 +139,7 @@ class ShmTransport(Transport):
             self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(targets)),
                                             thread_name_prefix="ws-shm")
         reads = [self._pool.submit(self._announce, seg, a, header) for a in targets]
-        seg.readers = {a.engine_name: _Read(f) for a, f in zip(targets, reads)}
+        seg.readers = {a.engine_name: f for a, f in zip(targets, reads)}
         left = [len(reads)]
         lock = threading.Lock()
 
@@ -166,7 +156,7 @@ class ShmTransport(Transport):
 
     def discard(self, payload: Payload) -> None:
         seg = self._segment_of(payload.body)
-        if seg is not None and not any(t.is_alive() for t in seg.readers.values()):
+        if seg is not None and all(f.done() for f in seg.readers.values()):
             seg.free.set()
 
     def _wait_all(self, timeout: float) -> bool:
@@ -183,8 +173,8 @@ class ShmTransport(Transport):
             fails = dict(self.errors)
         if not ok:
             for s in self.segs:
-                for n, t in s.readers.items():
-                    if t.is_alive():
+                for n, f in s.readers.items():
+                    if not f.done():
                         fails.setdefault(n, TransportError(
                             f"engine did not finish reading shm buffer {s.index} within "
                             f"{self.options.timeout}s"))
