@@ -32,8 +32,7 @@ class EngineUnavailable(EngineError):
 
 
 class EngineUnreachable(EngineUnavailable):
-    """The connection failed before any answer (nothing listening, or a dropped keep-alive
-    socket): an idempotent call may be retried on a fresh connection."""
+    """No connection, so no answer: an idempotent call may be retried on a fresh connection."""
 
 
 class PayloadError(WeightSyncError):

@@ -34,9 +34,7 @@ KINDS = ("exporter", "encoding", "transport", "adapter", "fleet", "peer_source",
 
 def _env_list(name: str) -> set[str] | None:
     value = os.environ.get(name)
-    if value is None:
-        return None
-    return {v.strip() for v in value.split(",") if v.strip()}
+    return None if value is None else {v.strip() for v in value.split(",") if v.strip()}
 
 
 def _load_entrypoints(pm: pluggy.PluginManager, failed: dict[str, str], only: set[str] | None) -> None:
@@ -92,10 +90,7 @@ def make_plugin_manager(*, load_entrypoints: bool = True) -> pluggy.PluginManage
     if os.environ.get("WEIGHTSYNC_TRACE_PLUGINS"):
         def before(hook_name, impls, kwargs):  # noqa: ANN001
             print(f"weightsync: {hook_name} -> {[i.plugin_name for i in impls]}", file=sys.stderr)
-
-        def after(outcome, hook_name, impls, kwargs):  # noqa: ANN001
-            pass
-        pm.add_hookcall_monitoring(before, after)
+        pm.add_hookcall_monitoring(before, lambda *_: None)
     return pm
 
 
@@ -171,8 +166,7 @@ class Components:
             self._call(f"register_{kind}s", self.registry(kind))
 
     def _call(self, hook: str, registry: Registry[Any]) -> None:
-        """Each plugin's hook separately: one that raises is recorded as failed and the others
-        still register; a duplicate name stays an error."""
+        """Each plugin's hook separately: one that raises is recorded as failed, the rest go on."""
         impls = list(reversed(getattr(self.pm.hook, hook).get_hookimpls()))
         if os.environ.get("WEIGHTSYNC_TRACE_PLUGINS"):
             # called one by one below, which pluggy's hookcall monitoring never sees: trace here

@@ -54,8 +54,7 @@ class CatchUp:
                          and now - self.failed[m.reg.name][1] < self.cooldown))
 
     def due(self, m: Any) -> bool:
-        """A live member the next scan will start a peer join for: a push leaves it to that join
-        instead of racing it. Called with the roster's lock held."""
+        """A live member the next scan starts a peer join for (roster lock held): pushes skip it."""
         current = self.service.roster.current
         if not self.enabled or current is None or m.state != "live" \
                 or not self._lags(m, current, time.monotonic()):

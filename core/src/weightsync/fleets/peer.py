@@ -76,8 +76,7 @@ def parse_manifest(raw: Any) -> PeerManifest:
 # -- serving side ------------------------------------------------------------------------------
 @dataclass
 class Shares:
-    """Tokens a serving member accepts, each until its expiry, and the manifest of its current
-    version (built once per version)."""
+    """Tokens a serving member accepts until they expire, and its current version's manifest."""
 
     bucket_bytes: int = 64 * 2**20
     key: bytes | None = None                      # the fleet's HMAC key: frames are signed
@@ -218,8 +217,7 @@ class HttpPeerSource(PeerSource):
 
 def pull(source: PeerSource, peer: Mapping[str, Any], session_for: Callable[[int], Any],
          holds: int) -> int:
-    """Stage the peer's current version (through `source`) into `session_for(version)`; returns
-    it (the caller commits), or `holds` when the peer has nothing newer."""
+    """Stage the peer's newer version into `session_for(version)`; returns it, else `holds`."""
     man = parse_manifest(source.manifest(peer))
     if man.version <= holds:
         return holds

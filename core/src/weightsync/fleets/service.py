@@ -97,8 +97,7 @@ class RegistryService:
             return a
 
     def set_anchor(self, version: int, buckets: Any, save: bool = True) -> None:
-        """The trainer's digests for `version` (per bucket: tensor names, digest), which peer
-        joins check; the last few versions are kept."""
+        """The trainer's digests for `version` (per bucket: names, digest); the last few kept."""
         if not isinstance(buckets, list) or not all(
                 isinstance(b, (list, tuple)) and len(b) == 2 and isinstance(b[0], list)
                 and all(isinstance(n, str) for n in b[0]) and isinstance(b[1], str)
@@ -113,8 +112,7 @@ class RegistryService:
 
     # -- what outlives a restart: the fleet's version and the trainer's digests ---------------
     def _load_state(self) -> None:
-        """The fleet's version, digests and name bindings from `state_file` (not the roster:
-        members register again at their next heartbeat)."""
+        """The fleet's version, digests and name bindings from `state_file` (not the roster)."""
         if self.state_file is None or not self.state_file.exists():
             return
         try:

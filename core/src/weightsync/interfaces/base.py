@@ -29,8 +29,7 @@ class Bounded:
     deadline: float | None = None        # time.monotonic() by which the push must be over
 
     def bounded(self, seconds: float) -> float:
-        """`seconds`, cut to what is left before the deadline (at least 0.05 s, so a call that
-        starts right at the deadline fails fast instead of not being made)."""
+        """`seconds`, cut to what is left before the deadline (at least 0.05 s: fails fast)."""
         if self.deadline is None:
             return seconds
         return max(0.05, min(seconds, self.deadline - time.monotonic()))
@@ -83,8 +82,7 @@ class Payload:
 
     @classmethod
     def from_header(cls, header: Mapping[str, Any], body: torch.Tensor) -> "Payload":
-        """The payload a received JSON header describes, every field's type checked (a header
-        comes from the network: `true` is not bucket 1, `2.0` is not a dimension)."""
+        """The payload a received JSON header describes, every field's type checked."""
         def bad(what: str) -> PayloadError:
             return PayloadError(f"payload header: {what}; the payload is malformed or corrupted")
         if not isinstance(header, Mapping):

@@ -32,8 +32,7 @@ class Fleet(Component):
     """Where members register (a registry fleet); None for fleets members do not join."""
 
     def open(self, components: Any, default_adapter: Any) -> None:
-        """Start whatever the fleet runs (a registry service); `default_adapter` is the config's
-        adapter reference for members that name none."""
+        """Start what the fleet runs; `default_adapter` is for members that name none."""
 
     @abc.abstractmethod
     def members(self) -> list[Member]:

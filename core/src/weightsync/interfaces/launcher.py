@@ -15,16 +15,14 @@ __all__ = ["Launcher", "LocalEngine"]
 
 @dataclass
 class LocalEngine:
-    """An engine `Launcher.launch_local` started: its config entry (url, api_key, name, adapter)
-    and how to stop it."""
+    """An engine `Launcher.launch_local` started: its config entry and how to stop it."""
 
     spec: dict[str, Any]
     stop: Callable[[], None]
 
 
 class Launcher:
-    """Starts engines of one kind. `name` is the adapter's name: the launcher of "vllm" starts
-    the engines the `vllm` adapter drives."""
+    """Starts engines of one kind; `name` is the name of the adapter that drives them."""
 
     name: ClassVar[str]
 
@@ -39,6 +37,5 @@ class Launcher:
     @classmethod
     def launch_local(cls, model_dir: Path, workdir: Path, name: str,
                      extra_args: list[str] | None = None) -> LocalEngine:
-        """Start one engine on this machine serving `model_dir` (a Hugging Face model
-        directory); logs go under `workdir`; `extra_args` go to its command line."""
+        """Start one engine here serving `model_dir` (logs in `workdir`, `extra_args` added)."""
         raise Unsupported(f"launcher {cls.name!r} cannot start an engine on this machine")

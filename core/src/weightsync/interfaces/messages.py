@@ -26,7 +26,6 @@ class Message:
 
 
 class Announce(Message):
-    """A payload whose body travels out of band (shared memory, a broadcast): `body` is its
-    header; the engine stages it and answers {"digest": ...}."""
+    """A payload whose body travels out of band: `body` is its header; answered with its digest."""
 
     kind = "announce"

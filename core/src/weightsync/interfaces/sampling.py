@@ -81,8 +81,7 @@ class Sample:
         return self.version != self.version_end
 
     def versions(self) -> list[int] | None:
-        """The weight version of each token: None where unknown (a mixed sample whose engine
-        did not say which token came from which version)."""
+        """The weight version of each token; None where unknown (a mixed sample)."""
         if self.token_versions:
             return list(self.token_versions)
         return None if self.mixed else [self.version] * len(self.token_ids)

@@ -52,8 +52,7 @@ class Live:
             self._cond.notify_all()
 
     def parts(self, offset: int, stall: float) -> Iterator[memoryview]:
-        """The body from `offset`, each part as soon as it is ready; stops when the body failed
-        or nothing new was ready for `stall` seconds."""
+        """The body from `offset`, each part once ready, until it fails or stalls for `stall` s."""
         sent, end = offset, len(self.view)
         while sent < end:
             with self._cond:
@@ -78,8 +77,7 @@ class _Body:
 
 
 class BodyServer:
-    """Serves published bodies at GET /weightsync/body?id=ID with `Authorization: Bearer TOKEN`.
-    Runs on a daemon thread from the first `publish` until `close`."""
+    """Serves published bodies at GET /weightsync/body?id=ID (`Authorization: Bearer TOKEN`)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
                  timeout: float = 60.0, max_connections: int = 16, linger: float = 0.0) -> None:

@@ -66,8 +66,7 @@ class ServerProcess:
 
     def wait_healthy(self, url: str, timeout: float, verify: bool | str = True,
                      poll: float = 0.1, stall: float | None = None) -> None:
-        """Until GET `url` answers 200; a child that exits, a timeout, or (with `stall` and a
-        log) a log that did not grow for `stall` seconds stops it and raises."""
+        """Until GET `url` answers 200; an exit, a timeout or a log `stall` stops it, raising."""
         assert self.proc is not None, "launch() first"
         start = moved = time.monotonic()
         size = self._log_size()

@@ -33,8 +33,7 @@ MiB = 2**20
 
 
 def free_port(host: str = "") -> int:
-    """A port nobody listens on right now on this host (on every address with `host` ""): for a
-    service, a test engine or a process group that must be told its port before it starts."""
+    """A port nobody listens on right now on this host (every address with `host` "")."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -300,8 +299,7 @@ class Conflict409(PayloadError):
 
 
 class Server(ThreadingHTTPServer):
-    """A threading server that serves at most `max_connections` connections at once (503 beyond
-    that) and drops connections that stay idle longer than the handler's timeout."""
+    """A threading server of at most `max_connections` connections (503 beyond)."""
 
     daemon_threads = True
     allow_reuse_address = True

@@ -94,8 +94,7 @@ def read_exact(read_into: Callable[[memoryview], int], view: memoryview) -> None
 
 
 class BodyReader:
-    """A payload body arriving through `read_into`, read at most `nbytes`, in pieces small
-    enough to be hashed while they are still in cache."""
+    """A payload body arriving through `read_into`, read in pieces small enough for the cache."""
 
     PIECE = 256 << 10
 

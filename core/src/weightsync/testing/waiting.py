@@ -7,8 +7,7 @@ from typing import Any, Callable
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    """Poll `cond` until it returns something true (returned) or `timeout` seconds pass
-    (AssertionError naming `what`)."""
+    """Poll `cond` until it returns something true (returned); AssertionError after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if got := cond():

@@ -206,8 +206,7 @@ def digest_at(header: bytes, address: int, nbytes: int) -> str:
 
 
 def copy_digest_many(jobs: list[tuple[torch.Tensor, torch.Tensor, bytes]], source: bool = False) -> list[str]:
-    """`copy_digest(dst, src, header, source)` for each job, in order, spread over the worker pool
-    in one run of about equal bytes per worker (no per-tensor task overhead)."""
+    """`copy_digest` of each job, in order, in one run of about equal bytes per pool worker."""
     from weightsync.wire.pool import map_threads, workers
     if not jobs:
         return []

@@ -167,8 +167,7 @@ def header_entries(header: dict[str, Any], data_bytes: int) -> list[tuple[str, t
 
 
 def parse_header(raw: bytes | memoryview, total: int) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], dict[str, str]]:
-    """The entries and __metadata__ of a safetensors JSON header `raw` of a `total`-byte payload
-    (its 8-byte length prefix included in `total`)."""
+    """The entries and __metadata__ of header `raw` of a `total`-byte payload (prefix included)."""
     header = _json_object(raw, "payload header", _CORRUPT)
     meta = header.pop("__metadata__", {}) or {}
     return header_entries(header, total - 8 - len(raw)), meta

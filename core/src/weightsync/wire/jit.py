@@ -66,8 +66,7 @@ def _memcpy(typingctx, dst, src, n):  # type: ignore[no-untyped-def]
 
 @intrinsic
 def _stream32(typingctx, dst, src):  # type: ignore[no-untyped-def]
-    """Copy 32 bytes from integer address `src` (any alignment) to `dst` (32-byte aligned) with a
-    non-temporal store (vmovntdq; two SSE stores without AVX)."""
+    """Copy 32 bytes from `src` to 32-byte aligned `dst` with a non-temporal store."""
     if not all(isinstance(t, types.Integer) for t in (dst, src)):
         return None
     sig = types.void(dst, src)

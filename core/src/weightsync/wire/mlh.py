@@ -53,8 +53,7 @@ def keys(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as int32 words on its own device (a copy only when the bytes are not
-    4-byte aligned or their count is not a multiple of 4)."""
+    """The tensor's bytes as int32 words on its device (copied only when unaligned or ragged)."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n = b.numel()
     if n % 4 == 0 and b.data_ptr() % 4 == 0:

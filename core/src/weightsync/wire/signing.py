@@ -93,8 +93,7 @@ def checkpoint_signature(key: bytes, path: str | Path, version: int) -> dict[str
 
 
 def sign_checkpoint(key: bytes, path: str | Path, version: int) -> Path:
-    """Write `weightsync-signature.json` into checkpoint directory `path`. An engine holding the
-    key loads the directory (load_from_disk) only as that version and only with those tensors."""
+    """Write `checkpoint_signature` into `path`/weightsync-signature.json."""
     out = Path(path) / SIGNATURE_FILE
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(checkpoint_signature(key, path, version)))

@@ -114,8 +114,7 @@ class GroupLifecycle:
                         for a in engines}
 
     def _ensure(self, engines: Sequence[Adapter]) -> dict[str, BaseException]:
-        """The group for exactly `engines`, rebuilt when the set changed. Engines that cannot join
-        are dropped and the group is built once more for the others."""
+        """The group for exactly `engines`, rebuilt (once more without those that cannot join)."""
         key = tuple((a.engine_name, group_ranks(a)) for a in engines)
         if self.group is not None and self.key == key:
             return {}

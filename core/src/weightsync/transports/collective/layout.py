@@ -10,8 +10,7 @@ from weightsync.wire.bucket import dtype_from_name
 
 
 def body_layout(body: torch.Tensor) -> tuple[int, list[tuple[str, str, list[int], int, int]]]:
-    """Start of the data section and (name, dtype, shape, start, end) per tensor in wire order,
-    read from the payload's own safetensors header."""
+    """Start of the data section and (name, dtype, shape, start, end) per tensor, wire order."""
     from weightsync.wire.frame import SAFETENSORS_DTYPES, read_header
     start, entries, _ = read_header(body)
     out = [(n, SAFETENSORS_DTYPES[v["dtype"]], list(v["shape"]), int(v["data_offsets"][0]), int(v["data_offsets"][1]))

@@ -45,8 +45,7 @@ def make_store(address: str, port: int, world_size: int, is_master: bool, timeou
 
 def new_group(store: Any, group_name: str, rank: int, world_size: int, backend: str,
               timeout: float) -> Any:
-    """`init_custom_process_group(store=PrefixStore(group_name, store), ...)`: returns the group.
-    Blocks until every rank joined, or raises after `timeout` seconds."""
+    """`init_custom_process_group` on PrefixStore(group_name, store); raises after `timeout`."""
     from torch.distributed import PrefixStore
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
@@ -64,8 +63,7 @@ def new_group(store: Any, group_name: str, rank: int, world_size: int, backend: 
 
 
 def forget(pg: Any) -> None:
-    """Drop a group made by `new_group` from torch's bookkeeping without touching the default
-    world (there may be none), so its name can never clash with a later group."""
+    """Drop a group from torch's bookkeeping (not the default world): no later name clash."""
     from torch.distributed.distributed_c10d import _world
     try:
         for attr in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_coalesce_state"):

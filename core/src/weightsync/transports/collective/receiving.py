@@ -94,8 +94,7 @@ _POOL = _RecvPool()
 
 
 class CollectiveReceiver(TransportReceiver):
-    """Joins the trainer's group (per process, kept across rounds) and receives one broadcast per
-    announce."""
+    """Joins the trainer's group (kept across rounds); receives one broadcast per announce."""
 
     private = True      # a broadcast lands in this process's own receive buffers
 

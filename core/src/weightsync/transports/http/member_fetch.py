@@ -67,8 +67,7 @@ class Pulled:
 
 def fetch_body(ref: Mapping[str, Any], spec: FetchSpec, server: BodyServer | None, *, max_bytes: int,
          timeout: float) -> Pulled:
-    """Fetch one bucket through the relay tree from `ref` (the parent's offer), offering it on
-    `server` (None: this member feeds no one)."""
+    """Fetch one bucket from `ref` (the parent's offer), offering it on `server` (None: no one)."""
     n = int(ref.get("nbytes", -1))
     if not 0 <= n <= max_bytes:
         raise PayloadError(f"a relayed body of {ref.get('nbytes')} bytes is outside this "

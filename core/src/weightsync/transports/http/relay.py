@@ -38,8 +38,7 @@ def _target(a: Adapter) -> Endpoint:
 
 
 class Relays(Relaying):
-    """Per round: each member's relay token (lets its parent post to it, this round only) and
-    answer key (signs its outcome; no relay ever sees it)."""
+    """Per round: each member's relay token (its parent posts with it) and answer key."""
 
     def __init__(self, degree: int, piece_bytes: int, stall: float) -> None:
         super().__init__(degree, piece_bytes, stall, log)
@@ -186,8 +185,7 @@ class Relays(Relaying):
             return None
 
     def _answer(self, member: Adapter, index: int, left: Callable[[], float]) -> Mapping[str, Any]:
-        """The member's own outcome, asked over its own channel; the wait leaves time for a
-        direct send."""
+        """The member's own outcome, over its own channel, leaving time for a direct send."""
         wait = max(0.05, left() - self.reserve(left()))
         got = member.deliver(RelayOutcome({"index": index, "wait": wait}, wait=wait + 10))
         return got if isinstance(got, Mapping) else {}

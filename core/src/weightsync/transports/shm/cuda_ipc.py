@@ -31,8 +31,7 @@ def share_tuple_to_json(share: tuple, tensor_offset: int, numel: int) -> dict[st
 
 
 def rebuild_args(d: Mapping[str, Any]) -> tuple:
-    """The positional arguments of `torch.multiprocessing.reductions.rebuild_cuda_tensor` for a
-    handle made by `share_tuple_to_json`, after checking every field."""
+    """`rebuild_cuda_tensor`'s arguments for a `share_tuple_to_json` handle, each field checked."""
     if d.get("kind") != "cuda_ipc":
         raise PayloadError(f"not a CUDA IPC handle: kind={d.get('kind')!r}")
     raw: dict[str, Any] = {}
