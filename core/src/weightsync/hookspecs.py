@@ -53,8 +53,7 @@ def register_peer_sources(register: Callable[[type[PeerSource]], None]) -> None:
 
 @hookspec
 def register_launchers(register: Callable[[type[Launcher]], None]) -> None:
-    """Register launchers that start an engine kind (named after its adapter): Ray's engine
-    actors and the RL demo start engines through them."""
+    """Register launchers that start an engine kind (named after its adapter)."""
 
 
 @hookspec

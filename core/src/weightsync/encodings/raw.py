@@ -13,8 +13,7 @@ from weightsync.wire.frame import pack, pack_digest, safetensors_layout, unpack
 
 def pack_bucket(name: str, bucket: Bucket, alloc: Alloc | None = None,
                 cast: torch.dtype | None = None) -> Payload:
-    """For encodings whose wire form is the target tensors, written into `alloc`'s buffer when
-    given; the digest is of the packed tensors, exactly what the engine must end with."""
+    """Pack `bucket` (into `alloc`'s buffer when given); the digest is of the packed tensors."""
     layout = safetensors_layout(bucket.tensors, cast=cast)
     size = len(layout[0]) + sum(t.numel() * dt.itemsize for _, t, _, dt in layout[1])
     out = alloc(size) if alloc is not None else None

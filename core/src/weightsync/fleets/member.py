@@ -19,8 +19,7 @@ log = logging.getLogger("weightsync.fleets")
 
 
 class Membership:
-    """`credential_file` keeps this member's credential (mode 0600), so the same member restarted
-    takes its name back at once instead of waiting out its release."""
+    """`credential_file` keeps the credential (0600): a restart takes the name back at once."""
 
     def __init__(self, registry: str, key: str | None, registration: dict[str, Any],
                  version: Callable[[], int | None] | None = None,

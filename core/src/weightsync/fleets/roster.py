@@ -182,16 +182,13 @@ class Roster:
             self.heard.pop(name, None)
             self.changed.notify_all()
 
-    def expire(self) -> list[str]:
-        """Members whose lease ran out become `lapsed`; returns their names."""
+    def expire(self) -> None:
+        """Members whose lease ran out become `lapsed`."""
         now = time.monotonic()
-        out = []
         with self.lock:
             for m in self.members.values():
                 if m.state != "lapsed" and now > m.expires:
                     m.state, m.error = "lapsed", f"lease of {self.lease:g}s lapsed without a heartbeat"
-                    out.append(m.reg.name)
-        return out
 
     def set_state(self, name: str, state: State, error: str | None = None) -> None:
         with self.lock:

@@ -23,8 +23,7 @@ class Member:
 
 
 class Fleet(Component):
-    """Where the members of a sync come from (a static list, a registry, Ray): asked for the live
-    members at the start of every push, told what the push did."""
+    """Where the members of a sync come from: asked at every push, told what it did."""
 
     takes_engines: ClassVar[bool] = False
     """True when the fleet is (or starts from) the config's `engines:` list."""

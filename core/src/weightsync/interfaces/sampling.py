@@ -115,8 +115,7 @@ class Sample:
 
 
 class NotFitting(WeightSyncError):
-    """This engine does not hold a version the gate admits (or its weights moved during the
-    request); `held` is what it holds. The client tries another member or waits."""
+    """This engine holds no version the gate admits (or moved); `held` is what it holds."""
 
     def __init__(self, message: str, held: int | None) -> None:
         super().__init__(message)
@@ -124,8 +123,7 @@ class NotFitting(WeightSyncError):
 
 
 class Unsupported(WeightSyncError):
-    """The engine cannot honour a sampling parameter (or cannot generate at all): raised before
-    anything is sent, never silently dropped."""
+    """The engine cannot honour a sampling parameter: raised before anything is sent."""
 
 
 class StaleEngines(WeightSyncError):

@@ -68,8 +68,7 @@ def call(session: requests.Session, engine: str, method: str, url: str, *, timeo
 
 
 def forget_connections(session: requests.Session) -> None:
-    """Drop the session's idle keep-alive connections (uvicorn closes one a moment after a 5xx:
-    a request sent on it then is reset)."""
+    """Drop the session's idle keep-alive connections (uvicorn closes one just after a 5xx)."""
     for adapter in session.adapters.values():
         adapter.close()
 

@@ -50,8 +50,7 @@ class HttpError(WeightSyncError):
 
 @dataclass
 class Streamed:
-    """A binary answer of `nbytes` written as `parts` yields them (a relay's body as it arrives);
-    one that stops short closes the connection: the client sees a short body, never a wrong one."""
+    """A binary answer of `nbytes` from `parts`; one that stops short closes the connection."""
     nbytes: int
     parts: Iterable[memoryview]
 

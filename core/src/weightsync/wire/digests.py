@@ -81,8 +81,7 @@ def update_address() -> int:
 
 
 class Digest:
-    """An xxh3-128 state that has taken `header`. `address` is its C state (None: a Python
-    xxhash object holds it, fed through `update`)."""
+    """An xxh3-128 state that has taken `header`; `address`: its C state (None: Python's)."""
 
     def __init__(self, header: bytes, native: bool = True) -> None:
         lib = library() if native else None

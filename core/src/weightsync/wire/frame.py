@@ -174,8 +174,7 @@ def parse_header(raw: bytes | memoryview, total: int) -> tuple[list[tuple[str, t
 
 
 def read_file_header(path: str | Path) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """A safetensors file's header without reading its data: (start of the data section, name ->
-    {dtype, shape, data_offsets}, __metadata__). The one parser of file headers."""
+    """A safetensors file's header, data unread: (data start, name -> entry, __metadata__)."""
     with open(path, "rb") as f:
         hlen = header_length(f.read(8), os.fstat(f.fileno()).st_size)
         header = _json_object(f.read(hlen), f"{path}: the safetensors header")

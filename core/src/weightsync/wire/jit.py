@@ -122,8 +122,7 @@ def hash_stream(dst, src, n, fn, state, step):  # type: ignore[no-untyped-def]
 
 @numba.njit(**_JIT)
 def stream_then_hash(dst, src, n, fn, state, step):  # type: ignore[no-untyped-def]
-    """Stream `n` bytes from `src` to `dst`, `step` bytes at a time, hashing each step from
-    `dst` right after it was written: the digest is of what `dst` holds."""
+    """Stream `n` bytes from `src` to `dst` by `step`, hashing each step back from `dst`."""
     for s in range(0, n, step):
         k = min(step, n - s)
         _stream(dst + s, src + s, k)

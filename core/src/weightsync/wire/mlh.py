@@ -137,8 +137,7 @@ def chunk_sums(t: torch.Tensor, use_triton: bool | None = None) -> tuple[torch.T
 
 
 def mlh_digests(items: list[tuple[bytes, torch.Tensor]], use_triton: bool | None = None) -> list[str]:
-    """The digest of each (tensor header, tensor): `mlh:` + xxh3-128 of header, byte count and
-    chunk sums; the sums come back to the host in one copy per device (one synchronization)."""
+    """Per (header, tensor): `mlh:` + xxh3-128 of header, byte count and chunk sums."""
     sums = [torch.stack(chunk_sums(t, use_triton), dim=1).reshape(-1) for _, t in items]
     host: list[Any] = [None] * len(items)
     by_device: dict[Any, list[int]] = {}

@@ -19,8 +19,7 @@ _GROUPS_LOCK = threading.Lock()
 
 
 class _Order:
-    """Broadcasts on one group are received in the sender's order (`seq`), though the announces
-    that trigger them may arrive out of order: a receive waits for its turn."""
+    """Broadcasts are received in the sender's `seq` order, whatever order announces come in."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -56,12 +55,11 @@ class _Order:
 def _forget_groups() -> None:
     """Leave every group this process is in (a process follows one trainer at a time)."""
     with _GROUPS_LOCK:
-        old = [g for g, _ in _GROUPS.values()]
-        orders = [o for _, o in _GROUPS.values()]
+        old = list(_GROUPS.values())
         _GROUPS.clear()
-    for o in orders:
+    for _, o in old:
         o.end()
-    for g in old:
+    for g, _ in old:
         pgs.forget(g.pg)
         # a group whose peer died may block in shutdown: never on the caller's thread
         threading.Thread(target=pgs.shutdown, args=(g.pg,), daemon=True, name="ws-pg-destroy").start()

@@ -80,8 +80,7 @@ class CollectiveTransport(GroupLifecycle, AnnounceAhead, Transport):
         return buf.tensor[:nbytes]
 
     def _release(self, body: torch.Tensor, retire: bool = False) -> None:
-        """The buffer of `body` is free again; `retire`: with fresh memory (an abandoned
-        broadcast may still read the old)."""
+        """The buffer of `body` is free again; `retire`: with fresh memory (the old may be read)."""
         for b in self._ring:
             if b.holds(body):
                 if retire:

@@ -24,8 +24,7 @@ def address(view: memoryview) -> int:
 
 
 class Spans:
-    """A body of `nbytes` bytes as the runs of memory its bytes landed in, by body offset; each
-    run keeps the object owning its memory alive."""
+    """A body as the runs of memory its bytes landed in, each keeping its memory's owner alive."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes

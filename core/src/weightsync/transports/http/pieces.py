@@ -43,8 +43,7 @@ def entry(key: str, index: int, status: str, detail: str = "", error: str = "") 
 
 
 def checked(key: str, index: int, got: Any) -> tuple[str, str] | None:
-    """(status, detail) of an answer that carries a valid signature, else None (lost, forged,
-    or an unsigned error: the trainer then feeds that member itself)."""
+    """(status, detail) of an answer with a valid signature, else None (the trainer feeds it)."""
     if not isinstance(got, Mapping):
         return None
     status, detail, mac = got.get("status"), got.get("detail", ""), got.get("mac")

@@ -85,8 +85,7 @@ class Relays(Relaying):
     def push(self, payload: Payload, body: Any, members: list[Adapter],
              post: Callable[[Adapter, Any, float], Any], direct: Callable[[Adapter], None],
              left: Callable[[], float]) -> dict[str, BaseException]:
-        """One bucket through the tree over `members`; returns the members that could not be fed
-        at all, and relays that forwarded tampered bytes."""
+        """One bucket through the tree; returns members not fed at all and relays that tampered."""
         by = {a.engine_name: a for a in members}
         pieces = piece_digests(body, self.piece_bytes)
         kids = self.plan(list(by))

@@ -16,8 +16,7 @@ _INTS = ("device", "storage_bytes", "storage_offset", "ref_counter_offset", "ten
 
 
 def share_tuple_to_json(share: tuple, tensor_offset: int, numel: int) -> dict[str, Any]:
-    """`UntypedStorage._share_cuda_()`'s 8-tuple (device, handle, size, offset, ref counter
-    handle, ref counter offset, event handle, event sync required) plus the uint8 view."""
+    """`UntypedStorage._share_cuda_()`'s 8-tuple and the uint8 view, as JSON."""
     device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = share
 
     def b64(b: bytes | None) -> str | None:
