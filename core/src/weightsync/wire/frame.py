@@ -64,19 +64,17 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | N
     its own (shared-memory, pinned) buffer so the bytes are written exactly once, and `cast`
     converts floating tensors on the way in (no intermediate copy)."""
     head, placed = safetensors_layout(named, metadata, cast)
-    out = _with_head(out, head, placed)
-    base = len(head)
-    for _, t, off, dt in placed:
-        n = t.numel() * dt.itemsize
-        if n:
-            dst = out[base + off: base + off + n].view(dt).view(t.shape)
-            dst.copy_(t.detach())
+    out, places = _with_head(out, head, placed)
+    for (_, t, _, _), dst in zip(placed, places):
+        dst.copy_(t.detach())
     return out
 
 
 def _with_head(out: torch.Tensor | None, head: bytes,
-               placed: list[tuple[str, torch.Tensor, int, torch.dtype]]) -> torch.Tensor:
-    """The payload's buffer (`out`, or a new one) cut to size, with the safetensors header in."""
+               placed: list[tuple[str, torch.Tensor, int, torch.dtype]]
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The payload's buffer (`out`, or a new one) cut to size, with the safetensors header in,
+    and each tensor's place in it."""
     total = len(head) + sum(t.numel() * dt.itemsize for _, t, _, dt in placed)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8)
@@ -84,7 +82,9 @@ def _with_head(out: torch.Tensor | None, head: bytes,
         raise ValueError(f"buffer of {out.numel()} bytes is smaller than the payload ({total})")
     out = out[:total]
     out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    return out
+    base = len(head)
+    return out, [out[base + off: base + off + t.numel() * dt.itemsize].view(dt).view(t.shape)
+                 if t.numel() else torch.empty(t.shape, dtype=dt) for _, t, off, dt in placed]
 
 
 def pack_digest(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None,
@@ -97,13 +97,8 @@ def pack_digest(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | N
     from weightsync.wire.bucket import tensor_header
     from weightsync.wire.digests import copy_digest_many
     head, placed = layout if layout is not None else safetensors_layout(named, metadata)
-    out = _with_head(out, head, placed)
-    base = len(head)
-    jobs = []
-    for name, t, off, dt in placed:
-        n = t.numel() * dt.itemsize
-        dst = out[base + off: base + off + n].view(dt).view(t.shape) if n else torch.empty(t.shape, dtype=dt)
-        jobs.append((dst, t.detach(), tensor_header(name, t)))
+    out, places = _with_head(out, head, placed)
+    jobs = [(dst, t.detach(), tensor_header(name, t)) for (name, t, _, _), dst in zip(placed, places)]
     digests = copy_digest_many(jobs, source=True)    # the sender's own tensors: no other writer
     return out, {name: d for (name, _, _, _), d in zip(placed, digests)}
 
