@@ -131,14 +131,18 @@ MOE_NEGATIVE = "tp2_ep2_etp2"
 SPREAD = {"spread_llama_tp2_pp2": ("llama", 10, dict(tp=2, pp=2, ep=1, etp=1)),
           "spread_tp2_ep2_etp2": ("qwen3_moe", 20, MOE_LAYOUTS["tp2_ep2_etp2"]),
           "spread_pp2_ep2": ("qwen3_moe", 21, MOE_LAYOUTS["pp2_ep2"])}
+VPP = {"vpp_llama_tp2_pp2_vpp2": ("llama", 30, dict(tp=2, pp=2, ep=1, etp=1, vpp=2), "rank0"),
+       "vpp_qwen3_tp1_pp2_vpp2": ("qwen3", 30, dict(tp=1, pp=2, ep=1, etp=1, vpp=2), "rank0"),
+       "spread_llama_tp2_pp2_vpp2": ("llama", 31, dict(tp=2, pp=2, ep=1, etp=1, vpp=2), "all")}
 
 
 @pytest.fixture(scope="session")
 def pushed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """Every case in one launch of 4 ranks (one process-group start: its ~20 s of imports per rank
     are paid once): the dense models at TP2xPP2 into one engine each, then Qwen3-MoE in four
-    layouts into one engine, a version per push. Returns the directory with each case's logits and
-    engine weights, and the ranks' JSON lines."""
+    layouts into one engine, a version per push; then `senders: all`, then virtual pipeline stages
+    (VPP), above the earlier versions of their engines. Returns the directory with each case's
+    logits and engine weights, and the ranks' JSON lines."""
     from weightsync_reference.processes import EngineProcess, start_all
     tmp = tmp_path_factory.mktemp("megatron")
     hf = {a: save_hf(a, tmp / f"{a}-hf", seed=i + 1) for i, a in enumerate([*DENSE, "qwen3_moe"])}
@@ -159,6 +163,9 @@ def pushed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[st
         for name, (arch, version, layout) in SPREAD.items():   # every rank sends its own part
             cases.append(dict(name=name, hf=str(hf[arch]), url=engines[arch].url, version=version,
                               senders="all", **layout))
+        for name, (arch, version, layout, senders) in VPP.items():   # 2 chunks per stage
+            cases.append(dict(name=name, hf=str(hf[arch]), url=engines[arch].url, version=version,
+                              senders=senders, **layout))
         rows = launch({"out": str(tmp), "ids": IDS, "cases": cases}, tmp)
     finally:
         for e in engines.values():

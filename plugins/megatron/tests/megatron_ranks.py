@@ -1,7 +1,7 @@
 """One trainer rank of the Megatron push tests (run as a process per rank, gloo, env:// rendezvous).
 
 argv[1]: a JSON file {"out": dir, "ids": [[token ids]], "cases": [{"name", "hf", "tp", "pp", "ep",
-"etp", "url", "version", "negative", "senders"}]}. For each case, in the same process group: initialize
+"etp", "vpp", "url", "version", "negative", "senders"}]}. For each case, in the same process group: initialize
 Megatron's parallel state, build and load the model from the HF checkpoint, run the forward
 across stages (the last stage's first rank writes the logits), push it into the case's engine with
 the `megatron` exporter (rank 0 then saves what the engine holds) and, with "negative", push again
@@ -11,7 +11,7 @@ report what each rank was told. A case with "adapter": "vllm" and "engines" (a l
 started as test_push_vllm.py does) pushes through the `vllm` adapter instead, and rank 0 reads
 back with vllm_probe.read_back (the held weights, the served logits, the weight version): before
 the push too when the case asks for "before". Prints one JSON line per rank and case with the
-bytes each kind of communication moved during the good push."""
+bytes each kind of communication moved during the good push and each chunk's global layer numbers."""
 
 from __future__ import annotations
 
@@ -67,11 +67,14 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
     from weightsync_megatron import move
     from weightsync_megatron.testing import build_gpt, forward, load_hf
 
-    ps.initialize_model_parallel(case["tp"], case["pp"], expert_model_parallel_size=case["ep"],
+    vpp = case.get("vpp", 1)                       # > 1: a list of chunks, one per virtual stage
+    ps.initialize_model_parallel(case["tp"], case["pp"], vpp if vpp > 1 else None,
+                                 expert_model_parallel_size=case["ep"],
                                  expert_tensor_parallel_size=case["etp"])
     model_parallel_cuda_manual_seed(1234)
     rank = dist.get_rank()
-    model = build_gpt(case["hf"], case["tp"], case["pp"], case["ep"], case["etp"])
+    model = build_gpt(case["hf"], case["tp"], case["pp"], case["ep"], case["etp"], vpp)
+    chunks = model if isinstance(model, list) else [model]   # the chunk list, as Megatron keeps it
     load_hf(model, case["hf"])
     logits = forward(model, ids)
     vocab = json.loads((Path(case["hf"]) / "config.json").read_text())["vocab_size"]
@@ -89,7 +92,7 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
     if case.get("refused"):                        # a model the exporter's table does not fit
         with WeightSync.from_config(cfg) as sync:
             try:
-                sync.push([model], version=case["version"])
+                sync.push(chunks, version=case["version"])
                 said = "pushed"
             except Exception as e:  # noqa: BLE001 - what each rank was told is the result
                 said = f"{type(e).__name__}: {e}"
@@ -106,7 +109,7 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
     with WeightSync.from_config(cfg) as sync:
         for k in TRAFFIC:
             TRAFFIC[k] = 0
-        report = sync.push([model], version=case["version"])   # the chunk list, as Megatron keeps it
+        report = sync.push(chunks, version=case["version"])
         moved = dict(TRAFFIC)
         if rank == 0:
             fetch(case, out, "pushed", ids)
@@ -114,14 +117,16 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
             real = move.to_hf
             move.to_hf = naive_join(real)
             try:
-                sync.push([model], version=case["version"] + 1)
+                sync.push(chunks, version=case["version"] + 1)
             finally:
                 move.to_hf = real
             if rank == 0:
                 fetch(case, out, "negative", ids)
     print(json.dumps({"case": case["name"], "rank": rank, "ok": report.ok, "verified": report.verified,
-                      "senders": report.senders, "wire": report.wire_bytes, **moved}), flush=True)
-    del model
+                      "senders": report.senders, "wire": report.wire_bytes, **moved,
+                      "layers": [[int(x.layer_number) for x in c.decoder.layers] for c in chunks]}),
+          flush=True)
+    del model, chunks
     dist.barrier()
     ps.destroy_model_parallel()
 

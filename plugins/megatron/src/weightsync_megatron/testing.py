@@ -1,7 +1,8 @@
 """Helpers for tests and CPU experiments: a Megatron-core GPTModel built for an HF config and this
 rank's place in the parallel layout, loaded from an HF checkpoint (the import direction of the
-exporter's tables), and a forward pass across pipeline stages by hand (Megatron's schedules are
-CUDA-only). Needs `patch_for_cpu()` on CPU; reads checkpoints with safetensors only."""
+exporter's tables), and a forward pass across pipeline stages (and virtual stages) by hand
+(Megatron's schedules are CUDA-only). Needs `patch_for_cpu()` on CPU; reads checkpoints with
+safetensors only."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 64) -> int:
     return -(-vocab // step) * step
 
 
-def _config(hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int) -> Any:
+def _config(hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int, vpp: int) -> Any:
     from megatron.core.transformer import TransformerConfig
     heads = hf["num_attention_heads"]
     arch = architecture(hf["model_type"])
@@ -48,24 +49,34 @@ def _config(hf: dict[str, Any], tp: int, pp: int, ep: int, etp: int) -> Any:
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         perform_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, **moe, **CPU_CONFIG)
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        **moe, **CPU_CONFIG)
 
 
-def build_gpt(hf_dir: str | Path, tp: int, pp: int, ep: int = 1, etp: int = 1) -> Any:
-    """This rank's GPTModel for the HF model in `hf_dir` (parallel state already initialized)."""
+def build_gpt(hf_dir: str | Path, tp: int, pp: int, ep: int = 1, etp: int = 1, vpp: int = 1) -> Any:
+    """This rank's GPTModel for the HF model in `hf_dir` (parallel state already initialized, with
+    `virtual_pipeline_model_parallel_size=vpp` when `vpp > 1`); with `vpp > 1`, the list of its
+    `vpp` model chunks, one per virtual stage, as Megatron's `get_model` builds them."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     hf = json.loads((Path(hf_dir) / "config.json").read_text())
-    cfg = _config(hf, tp, pp, ep, etp)
+    cfg = _config(hf, tp, pp, ep, etp, vpp)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm,
                                     normalization="RMSNorm")
     rope = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    return GPTModel(cfg, spec, vocab_size=padded_vocab(hf["vocab_size"], tp),
-                    max_sequence_length=hf.get("max_position_embeddings", 4096),
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    parallel_output=False, position_embedding_type="rope", rotary_base=int(rope),
-                    share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
+    vp = vpp > 1
+
+    def chunk(stage: int | None) -> Any:
+        return GPTModel(cfg, spec, vocab_size=padded_vocab(hf["vocab_size"], tp),
+                        max_sequence_length=hf.get("max_position_embeddings", 4096),
+                        pre_process=ps.is_pipeline_first_stage(ignore_virtual=not vp, vp_stage=stage),
+                        post_process=ps.is_pipeline_last_stage(ignore_virtual=not vp, vp_stage=stage),
+                        parallel_output=False, position_embedding_type="rope", rotary_base=int(rope),
+                        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+                        vp_stage=stage)
+
+    return [chunk(i) for i in range(vpp)] if vp else chunk(None)
 
 
 @torch.no_grad()
@@ -106,18 +117,23 @@ def load_hf(model: Any, hf_dir: str | Path) -> None:
 @torch.no_grad()
 def forward(model: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
     """Logits [batch, seq, padded vocab] on the last stage (None on the others): each stage runs
-    its layers and passes its hidden states to the same TP rank of the next stage."""
+    its layers and passes its hidden states to the same TP rank of the next stage. With a list of
+    chunks (virtual stages), in Megatron's interleaved order: every stage's chunk 0, then every
+    stage's chunk 1, ..., the last stage handing its chunk i's output to the first stage's chunk
+    i + 1; the last stage's last chunk gives the logits."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    model.eval()
+    chunks = model_chunks(model)
     b, s = input_ids.shape
     pos = torch.arange(s)[None].expand(b, s)
-    if not ps.is_pipeline_first_stage():
-        hidden = torch.empty(s, b, model.config.hidden_size)
-        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-        model.set_input_tensor(hidden)
-    out = model(input_ids, pos, causal_mask(s))
-    if not ps.is_pipeline_last_stage():
-        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-        return None
-    return out
+    out = None
+    for i, chunk in enumerate(chunks):
+        chunk.eval()
+        if not chunk.pre_process:
+            hidden = torch.empty(s, b, chunk.config.hidden_size)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())   # wraps around
+            chunk.set_input_tensor(hidden)
+        out = chunk(input_ids, pos, causal_mask(s))
+        if not chunk.post_process:
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    return out if chunks[-1].post_process else None
