@@ -71,6 +71,7 @@ class NixlTransport(Transport):
     Options = NixlOptions
     messages = (NixlRead,)
     receiver = NixlReceiver
+    spreads = True      # each rank reads from its own agent and buffers (`sync.senders: all`)
 
     def __init__(self, options: BaseModel | None = None) -> None:
         super().__init__(options)
