@@ -1,17 +1,6 @@
-"""Sync metrics for monitoring: one JSON line per push appended to a file (the full
-`SyncReport.to_json()` with a timestamp), and, with the optional `prometheus-client`
-(`weightsync-core[metrics]`), counters and histograms on a port for Prometheus to scrape:
-
-  weightsync_syncs_total{outcome}                 ok | failed
-  weightsync_engine_failures_total{engine,stage}  per engine and stage
-  weightsync_bytes_total{kind}                    logical | wire
-  weightsync_stage_seconds{stage}                 histogram per stage (total included)
-  weightsync_pause_window_seconds                 histogram
-  weightsync_density                              gauge (delta encodings)
-  weightsync_version                              gauge: the last version pushed
-  weightsync_probe_gap{engine}                    gauge: the probe's max |Δ logprob| per engine
-  weightsync_logprob_gap{engine,stat}             gauge: the train–inference gap of the rollouts
-                                                  (mean, max), from `WeightSync.record_gap`"""
+"""Sync metrics for monitoring: one JSON line per push appended to a file, and, with the optional
+`prometheus-client` (`weightsync-core[metrics]`), counters, histograms and gauges on a port for
+Prometheus to scrape (the names and labels: docs/report.md, docs/rl.md)."""
 
 from __future__ import annotations
 
@@ -77,14 +66,10 @@ class Metrics:
         self.port = server.server_address[1]
 
     def record(self, report: SyncReport) -> None:
-        s = self.settings
-        if s is None:
+        if self.settings is None:
             return
         with self.lock:
-            if s.file:
-                line = json.dumps({"time": time.time(), **report.to_json()})
-                with open(Path(s.file), "a") as f:
-                    f.write(line + "\n")
+            self._append(report.to_json())
             if self._m:
                 m = self._m
                 m["syncs"].labels("ok" if report.ok else "failed").inc()
@@ -105,18 +90,19 @@ class Metrics:
 
     def record_gap(self, engine: str, version: int, mean: float, max_: float) -> None:
         """The train–inference gap of rollouts `engine` generated at `version`."""
-        s = self.settings
-        if s is None:
+        if self.settings is None:
             return
         with self.lock:
-            if s.file:
-                line = json.dumps({"time": time.time(), "gap": {"engine": engine, "version": version,
-                                                                "mean": mean, "max": max_}})
-                with open(Path(s.file), "a") as f:
-                    f.write(line + "\n")
+            self._append({"gap": {"engine": engine, "version": version, "mean": mean, "max": max_}})
             if self._m:
                 self._m["gap"].labels(engine, "mean").set(mean)
                 self._m["gap"].labels(engine, "max").set(max_)
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        """One timestamped JSON line to the metrics file, if one is set (callers hold the lock)."""
+        if self.settings is not None and self.settings.file:
+            with open(Path(self.settings.file), "a") as f:
+                f.write(json.dumps({"time": time.time(), **entry}) + "\n")
 
     def close(self) -> None:
         if self._server is not None:

@@ -1,13 +1,8 @@
-"""The probe: after a commit, each engine that can score a sequence scores a fixed probe sequence
-and the trainer compares the logprobs with its own. Byte digests prove the bytes; the probe
-proves what the engine computes with them (a name mapped to the wrong tensor, a layout bug in the
-engine's load path, weights changed after the commit). An engine over the tolerance is reported
-`failed` at stage `probe`, and asked to serve no gated request until a later push passes.
-
-The trainer's logprobs need a causal LM it can run (a module whose output has `.logits`); a state
-dict or another model is not probed ("auto") or fails the push ("on"). In a multi-rank trainer
-(FSDP2, a Ray trainer's ranks) every rank runs the probe's forward pass, since a sharded model's
-forward is a collective, and rank 0 compares (`join_probe` is the followers' side)."""
+"""The probe: after a commit, engines that can score a sequence score a fixed one and the trainer
+compares the logprobs with its own. Digests prove the bytes; the probe proves what the engine
+computes with them (a name mapped to the wrong tensor, a layout bug in its load path). In a
+multi-rank trainer every rank runs the forward pass (a sharded forward is a collective), and rank 0
+compares (`join_probe` is the followers' side)."""
 
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ from weightsync.config import ProbeSettings
 from weightsync.errors import WeightSyncError
 from weightsync.interfaces import Adapter, Distrusts, Scores
 from weightsync.interfaces.sampling import Unsupported
-from weightsync.sync.report import SyncReport
+from weightsync.sync.report import EngineOutcome, SyncReport
 
 log = logging.getLogger("weightsync.sync.probe")
 
@@ -51,12 +46,6 @@ def trainer_logprobs(model: Any, ids: list[int]) -> list[float]:
         model.train(was)
 
 
-def tolerance_for(model: Any) -> float:
-    """The default tolerance: tight for a float32 model, looser for 16-bit weights."""
-    dtype = next(model.parameters()).dtype
-    return 0.05 if dtype == torch.float32 else 0.25
-
-
 def gap(mine: list[float], theirs: list[float]) -> dict[str, float]:
     d = [abs(a - b) for a, b in zip(mine, theirs)]
     return {"mean": sum(d) / max(len(d), 1), "max": max(d, default=0.0)}
@@ -72,6 +61,15 @@ def join_probe(model: Any, settings: ProbeSettings) -> None:
             log.warning("the probe's forward pass failed on this rank: %s", e)
 
 
+def _skipped(report: SyncReport, settings: ProbeSettings, why: str,
+             outcomes: list[EngineOutcome]) -> None:
+    """Not probed: the report says why, and with `mode: on` these engines fail."""
+    report.probe = f"skipped: {why}"[:500]
+    if settings.mode == "on":
+        for o in outcomes:
+            o.fail("probe", f"probe: on, but {why}")
+
+
 def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncReport,
               settings: ProbeSettings,
               each: Callable[..., tuple[dict[str, Any], dict[str, BaseException]]],
@@ -83,15 +81,12 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
         return
     vocab = vocab_of(model) if isinstance(model, torch.nn.Module) else None
     if vocab is None:
-        why = "the pushed model is not a causal LM the trainer can score"
-        report.probe = f"skipped: {why}"
-        if settings.mode == "on":
-            for o in report.engines.values():
-                if o.ok:
-                    o.fail("probe", f"probe: on, but {why}")
+        _skipped(report, settings, "the pushed model is not a causal LM the trainer can score",
+                 [o for o in report.engines.values() if o.ok])
         return
     ids = probe_ids(vocab, settings.length, settings.seed)
-    tolerance = settings.tolerance or tolerance_for(model)
+    # the default: tight for a float32 model, looser for 16-bit weights
+    tolerance = settings.tolerance or (0.05 if next(model.parameters()).dtype == torch.float32 else 0.25)
     targets = [a for a in adapters
                if isinstance(a, Scores) and (seen := report.engines.get(a.engine_name)) is not None
                and seen.ok and seen.version == version]
@@ -102,11 +97,8 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
         try:
             mine = trainer_logprobs(model, ids)
         except Exception as e:  # noqa: BLE001 - a model that needs its framework's own inputs
-            why = f"the trainer's model could not score the probe plainly ({type(e).__name__}: {e})"
-            report.probe = f"skipped: {why}"[:500]
-            if settings.mode == "on":
-                for a in targets:
-                    report.engines[a.engine_name].fail("probe", f"probe: on, but {why}")
+            _skipped(report, settings, f"the trainer's model could not score the probe plainly "
+                     f"({type(e).__name__}: {e})", [report.engines[a.engine_name] for a in targets])
             return
     unprobed: list[str] = []
     for a in targets:
