@@ -61,10 +61,9 @@ def resolve(config: SyncConfig, components: Any) -> ResolvedConfig:
             raise ConfigError(f"two engines are named {spec.name!r}; give each a unique `name`")
         names.add(spec.name or "")
         engines.append(plan)
-    mode = config.sync.pause_mode
     check_senders(config.sync.senders, None, tr, exp, components)
     for plan in engines:
-        check_pause_mode(mode, plan.adapter_cls)
+        check_pause_mode(config.sync.pause_mode, plan.adapter_cls)
         check_senders(config.sync.senders, plan.adapter_cls, tr, exp, components)
     fleet_ref = config.fleet or ComponentRef(kind="static")
     fleet_cls = components.fleets.get(fleet_ref.kind)

@@ -4,18 +4,9 @@ one more whole copy from the trainer.
 
 Only where the transport relays (`Transport.relay_plan` is not None): the user chose a shape so
 that the trainer's link carries about one copy per push, and a whole-tensor round per engine
-that is behind would undo that. With star the trainer sends every engine its own copy anyway,
-so such engines keep their whole-tensor round from the trainer (as the user asked for, and no
-serving engine is loaded with a joiner).
-
-Rules: a joiner (adapter capability "pull") pulls from a current member (one that committed this
-version in the push's main round, capability "peer"): the one with the fewest joiners assigned
-in this push, among equals one that feeds no one in the relay plan (a chain's last member, a
-tree's leaves), then by name. The joiner checks every tensor against the trainer's digests of
-this push (the anchor: tensor names and digest per bucket) and commits only a whole version
-(see `weightsync.fleets.peer`). One try per joiner: a join that fails (peer dead, refusing,
-lying, no peer at all) leaves it to the trainer's whole-tensor round, and the report says why
-(`EngineOutcome.peer_error`); one that succeeds is reported `caught_up` with `peer` set."""
+behind would undo that. With star the trainer sends every engine its own copy anyway. The joiner
+checks every tensor against this push's digests (the anchor) and commits only a whole version
+(`weightsync.fleets.peer`); a join that fails leaves it to the trainer's whole-tensor round."""
 
 from __future__ import annotations
 

@@ -67,9 +67,8 @@ class WeightSync:
         self.close()
 
     def preflight(self) -> list[str]:
-        """Ask every engine of the fleet for its health, version and access before the trainer
-        spends minutes loading a model: a wrong URL or key fails here (ConfigError, every
-        problem at once), not at the first push. Returns a line per engine."""
+        """Every engine's health, version and access, asked before the trainer spends minutes
+        loading a model: a wrong URL or key fails here (ConfigError), not at the first push."""
         from weightsync.sync.check import contact
         problems, lines = contact(self)
         if problems:
@@ -98,11 +97,9 @@ class WeightSync:
         """Record the train–inference gap of rollouts (metrics file and Prometheus)."""
         self.metrics.record_gap(engine, version, mean, max_)
     def fleet_version(self) -> int | None:
-        """The newest version the fleet holds (None: nothing pushed yet): what a trainer that
-        restarted pushes above. A fleet that records its pushes (a registry; across its own
-        restarts with `state_file`) says it, and no member's claim changes it. Without a record,
-        the highest version a strict majority of the members' engines are at or above: one
-        member claiming 2**63 cannot set the labels of everyone's next version."""
+        """The newest version the fleet holds (None: nothing pushed yet): what a restarted trainer
+        pushes above. A fleet that records its pushes says it; else what a strict majority of
+        the engines hold (`held_by_most`: one member claiming 2**63 cannot set everyone's next)."""
         recorded = getattr(self.fleet, "version", None)
         if callable(recorded) and (got := recorded()) is not None:
             return int(got)
@@ -158,18 +155,13 @@ class WeightSync:
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"version {version} is not newer than the last pushed version "
                              f"{self.last_version}; versions must grow with every sync")
-        if is_follower():
-            report = self._follow(model, version, name_map)
-        else:
-            try:
-                report = self._lead(model, version, name_map)
-            except SyncError as e:            # no engine could take it: still logged and counted
-                if isinstance(e.report, SyncReport):
-                    log.info("%s", e.report.summary().splitlines()[0])
-                    self.metrics.record(e.report)
-                raise
-        log.info("%s", report.summary().splitlines()[0])
-        self.metrics.record(report)
+        try:
+            report = (self._follow if is_follower() else self._lead)(model, version, name_map)
+        except SyncError as e:                # no engine could take it: still logged and counted
+            if isinstance(e.report, SyncReport):
+                self._record(e.report)
+            raise
+        self._record(report)
         log.debug("push v%d stages: %s", version, {k: round(v, 4) for k, v in report.seconds.items()})
         if not report.ok:
             msg = (f"sync of version {version} failed for {len(report.failed)} of "
@@ -179,6 +171,10 @@ class WeightSync:
                 raise SyncError(msg, report)
             log.warning(msg)
         return report
+
+    def _record(self, report: SyncReport) -> None:
+        log.info("%s", report.summary().splitlines()[0])
+        self.metrics.record(report)
 
     def _follow(self, model: Any, version: int, name_map: NameMap | None) -> SyncReport:
         """A rank other than 0: the exporter passes rank 0 announces (gathers are collectives
@@ -326,8 +322,12 @@ class WeightSync:
             self.last_version = version
         report.verified = bool(report.engines) and all(o.status == "verified"
                                                        for o in report.engines.values())
+        self._tell_fleet(version, report)
+
+    def _tell_fleet(self, version: int, report: SyncReport) -> None:
+        """The fleet hears what each engine holds (peer-join fleets: the anchor); failing only warns."""
         try:
-            anchor = getattr(self.fleet, "anchor", None)     # fleets that serve peer joins
+            anchor = getattr(self.fleet, "anchor", None)
             if anchor is not None and self._anchor and any(o.ok for o in report.engines.values()):
                 anchor(version, self._anchor)
             self.fleet.synced(version, report.versions())
@@ -386,10 +386,7 @@ class WeightSync:
         self.encoding.commit(version)
         self.last_version = version
         report.published = True
-        try:
-            self.fleet.synced(version, {})       # a registry records the published version
-        except WeightSyncError as e:
-            log.warning("telling the fleet about version %d failed: %s", version, e)
+        self._tell_fleet(version, report)
 
 
 __all__ = ["WeightSync"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from weightsync.sync.report import SyncReport
 
-__all__ = ["device_of", "distributed", "gather_json", "is_follower", "rank", "share_int", "share_json",
+__all__ = ["device_of", "gather_json", "is_follower", "rank", "share_int", "share_json",
            "share_report", "world"]
 
 
@@ -17,11 +17,6 @@ def world() -> Any:
     """`torch.distributed` when this process is in an initialized group, else None."""
     import torch.distributed as dist
     return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def distributed() -> bool:
-    """True when the trainer runs as several ranks (an initialized torch.distributed group)."""
-    return world() is not None
 
 
 def rank() -> int:
@@ -92,8 +87,7 @@ def gather_json(value: Any, timeout: float | None = None) -> list[Any]:
 def is_follower() -> bool:
     """A rank other than 0 of a multi-rank trainer: it joins rank 0's push (the exporter's
     gathers are collectives every rank must run) and gets rank 0's report."""
-    dist = world()
-    return dist is not None and dist.get_rank() != 0
+    return rank() != 0
 
 
 def share_report(report: SyncReport | None) -> SyncReport:

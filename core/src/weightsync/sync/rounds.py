@@ -5,12 +5,9 @@
     per engine, on its own: pause (the others: only now) -> commit -> resume
     confirm (acknowledging adapters)
 
-Every call is bounded by the push's deadline; leases of rounds and pauses are renewed on a side
-thread while the round runs; an engine that fails at any stage is dropped, aborted if it began,
-and resumed if it was paused, while the others go on. No engine waits for another while it is
-paused: each is resumed as soon as its own commit returns, and the calls to an engine being
-dropped (abort) run beside the round, awaited only once every live engine is serving again.
-Nothing here knows an endpoint or a wire format: adapters, transports and encodings do."""
+An engine that fails at any stage is dropped, aborted if it began and resumed if it was paused,
+while the others go on; no engine stays paused while it waits for another, and the aborts of
+dropped engines are awaited only once every live engine is serving again."""
 
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from weightsync.config import SyncSettings
 from weightsync.errors import EngineUnavailable, EngineUnreachable, WeightSyncError
 from weightsync.interfaces import Adapter, Encoding, NameMap, Transport
-from weightsync.sync.ranks import distributed
+from weightsync.sync.ranks import world
 from weightsync.sync.report import SyncReport
 from weightsync.sync.stream import Stream
 
@@ -183,9 +180,8 @@ class GroupRound:
         return [a for a in active if a.engine_name not in failures]
 
     def _abort_beside(self, adapters: Sequence[Adapter]) -> None:
-        """Abort these engines' rounds without waiting (a hung engine must not hold the live
-        ones paused); `_settle` awaits the answers at the end of the round. Best effort: a dead
-        engine cannot answer, and its round lease ends it anyway."""
+        """Abort without waiting (a hung engine must not hold the live ones paused); `_settle`
+        awaits the answers. Best effort: a dead engine's round lease ends it anyway."""
         for a in adapters:
             self.begun.discard(a.engine_name)
             self.aborts.append(self.calls.pool.submit(a.abort))
@@ -252,11 +248,10 @@ class GroupRound:
         try:
             a.commit(version)
         except BaseException as e:
+            raise _Failed("commit", e) from e
+        finally:
             self.renewer.remove([a])
             self._resume_one(a)
-            raise _Failed("commit", e) from e
-        self.renewer.remove([a])
-        self._resume_one(a)
 
     # -- the round ----------------------------------------------------------------------------
     def run(self, model: Any, name_map: NameMap | None, engines: list[Adapter], *,
@@ -318,7 +313,7 @@ class GroupRound:
         with clock.timed("open"):
             active = self.drop(active, self.transport.open(active, version), "open")
         if not active and mode == "engines":
-            if not distributed():
+            if world() is None:
                 return None
             mode = "encode"         # follower ranks run this export pass: so must rank 0
         active = self.stream.run(model, name_map, self.report, active, self.drop,

@@ -1,15 +1,11 @@
 """A push that every trainer rank sends (`sync.senders: all`): no rank funnels the model.
 
-Rank 0 runs the round as for one sender (health, begin, pause, verify, commit, resume). Where one
-sender would open, stream and finish, rank 0 hands every rank an order (the engines, the round each
-engine opened, the encoding), and every rank, rank 0 too, opens its own transport to those engines,
-streams the buckets it owns (`Exporter.owned`: numbered in the whole push's order) and finishes.
-What each rank sent (digests, names, failures, bytes) comes back in one gather; the engines are
-verified against the union of every rank's digests. An engine one rank failed to reach fails; a
-rank that raised fails every engine; a rank that died, or is still busy at the push's deadline,
-breaks the gather and with it the round: nothing is committed, every engine is aborted and
-resumed, and the trainer's group is not used again by the push. Orders, results and the end travel as
-JSON in tensors over the trainer's own group, never pickled."""
+Rank 0 runs the round as for one sender; where one sender would open, stream and finish, rank 0
+hands every rank an order and each rank sends the buckets it owns (`Exporter.owned`). What each
+sent comes back in one gather, and the engines are verified against the union of every rank's
+digests. A rank that died or is still busy at the deadline breaks the gather and with it the
+round: nothing is committed, and the trainer's group is not used again by the push. Orders and
+results travel as JSON in tensors over the trainer's own group, never pickled."""
 
 from __future__ import annotations
 
