@@ -1,11 +1,8 @@
-"""Making a plan's outputs, one batch (about one bucket) at a time.
-
-On a single process every output is a view of what the model holds (zero copy), a LoRA-merged value
-or a conversion group's result (each computed once, dropped after its last output). In a sharded
-trainer every rank walks the same batches: the sending rank (global rank 0) builds the tensors,
-every other rank sends it the slices of its own shards the batch needs (`gather.exchange`). The
-ranks first check they computed the same plan, so a model that differs between ranks is an error
-on every rank instead of a hang."""
+"""Making a plan's outputs, one batch (about one bucket) at a time: views of what the model holds
+(zero copy), LoRA-merged values, or a conversion group's results, each kept only until its last
+output. In a sharded trainer every rank walks the same batches and sends the sending rank the
+slices of its own shards (`gather.exchange`), after the ranks checked they planned the same export:
+a model that differs between ranks is then an error on every rank instead of a hang."""
 
 from __future__ import annotations
 
@@ -68,8 +65,7 @@ class Fetcher:
         return h.digest()
 
     def agree(self) -> None:
-        """Every rank must export the same plan (names, shapes, layouts): checked with one
-        16-byte all-gather before any tensor moves."""
+        """One 16-byte all-gather before any tensor moves: every rank planned the same export."""
         import torch.distributed as dist
         device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -162,9 +158,8 @@ class Fetcher:
 
 def stream(plan: Plan, batch_bytes: int, every_rank: bool = False
            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in plan order on the sending rank; on the other ranks nothing, after taking
-    part in every batch (with `every_rank`, every rank gets every tensor, each sharded source
-    all-gathered). Closed early on the sending rank (an abandoned sync), it still serves the
+    """(name, tensor) in plan order on the sending rank (every rank with `every_rank`); the others
+    yield nothing. Closed early on the sending rank (an abandoned sync), it still serves the
     remaining batches' exchanges so the other ranks are not left waiting."""
     fetcher = Fetcher(plan, every_rank)
     if plan.distributed:

@@ -1,14 +1,10 @@
 """Sharded sources (DTensors) brought to the sending rank one batch at a time, point to point.
 
 `DTensor.full_tensor()` all-gathers a whole tensor onto every rank: for a fused experts tensor that
-is every expert on every rank, far more memory and traffic than a sync needs. Here only the sending
-rank (global rank 0, the one the pipeline sends from) receives, and only the slices of the current
-batch: an expert held by one rank comes from that rank alone (each expert once); a dense row-sharded
-weight comes as one block of rows per rank. A holding rank packs its slices for a batch into one
-send buffer, so no rank holds more than its own shards plus about one batch.
-
-Handled layouts: rows (dim 0) split along one mesh dimension (FSDP2's `Shard(0)`, expert
-parallelism) with any other mesh dimensions replicated (HSDP), or fully replicated. Anything else
+is every expert on every rank. Here only the sending rank (global rank 0) receives, and only the
+slices of the current batch, each from one holder; no rank holds more than its own shards plus
+about one batch. Handled layouts: rows (dim 0) split along one mesh dimension (FSDP2's `Shard(0)`,
+expert parallelism), other mesh dimensions replicated (HSDP), or fully replicated. Anything else
 (`Shard(1)`, tensor-parallel strided shards, `Partial`) falls back to `full_tensor()`."""
 
 from __future__ import annotations
@@ -115,14 +111,6 @@ class Request:
         return self.tensor._local_tensor.device  # noqa: SLF001
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 class _Batch:
     """One batch's traffic, laid out identically on every rank from the same requests: per
     holding rank, its whole views packed into one message (tag 0), then one message per row
@@ -174,7 +162,8 @@ class _Batch:
         offsets, total = [], 0
         for k in items:
             offsets.append(total)
-            total += _aligned(self.requests[k].numel * self.requests[k].dtype.itemsize)
+            nbytes = self.requests[k].numel * self.requests[k].dtype.itemsize
+            total += -(-nbytes // _ALIGN) * _ALIGN          # each slot starts 16-byte aligned
         buf = torch.empty(total, dtype=torch.uint8, device=self.requests[items[0]].device())
         for k, off in zip(items, offsets):
             req = self.requests[k]
@@ -199,7 +188,8 @@ class _Batch:
                 buffers.append(self._pack(rank))
                 ops.append(op(buffers[-1], rank, 0))
         for rank, blocks in self.blocks.items():
-            ops.extend(op(_as_bytes(t), rank, tag) for tag, t in enumerate(blocks, start=1))
+            ops.extend(op(t.reshape(-1).view(torch.uint8), rank, tag)
+                       for tag, t in enumerate(blocks, start=1))
         for k, t, at in self.own:
             self.rows[k][at: at + t.shape[0]].copy_(t)
         for o in ops:

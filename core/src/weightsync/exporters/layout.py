@@ -1,14 +1,11 @@
 """The checkpoint layout of a transformers (>= 5) model, from transformers' own conversion.
 
 transformers 5 holds some weights in another layout than its checkpoints (fused experts, renamed
-modules) and converts them back in `save_pretrained`; engines load checkpoints. This module asks
-transformers for the same reverse conversion `save_pretrained` applies (`revert_weight_conversion`)
-and runs it on meta tensors, so the plan knows every checkpoint tensor's name, shape and dtype and,
-for the common case, which strided slice of which model tensor it is: then no converted copy of
-anything is made, and a sharded expert can be sent from the rank that holds it. A conversion whose
-result is not a slice (a concatenation) is run for real, one group at a time, when it is needed.
-
-transformers is imported only when the model is one of its models (so it is already imported)."""
+modules), and engines load checkpoints. The reverse conversion `save_pretrained` applies is run
+here on meta tensors, so the plan knows every checkpoint tensor and, commonly, which strided slice
+of which model tensor it is: no converted copy is made, and a sharded expert is sent from the rank
+that holds it. A conversion whose result is not a slice (a concatenation) runs for real, one group
+at a time. transformers is imported only when the model is one of its models."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """PEFT (LoRA) policies: merged weights under the base model's names, or the adapter alone.
 
 Merged: each weight a LoRA layer adapts is sent as `W + delta`, computed for that tensor only when
-its bucket is built, with exactly the operations PEFT's `merge_and_unload()` performs (so the bytes
-equal those of a merged-then-saved model), and never a merged copy of the whole model. The LoRA
-factors themselves are not sent; `modules_to_save` copies replace their originals, as on unload.
-
-Adapter alone: the tensors and config PEFT's `save_pretrained` writes, for engines that serve
-adapters by name (vLLM's LoRA routes); `write_adapter` lays them out as PEFT does.
-
-peft is imported only when the model carries PEFT layers (so it is already imported)."""
+its bucket is built, with the operations PEFT's `merge_and_unload()` performs (so the bytes equal
+a merged-then-saved model's), never a merged copy of the whole model. Adapter alone: what PEFT's
+`save_pretrained` writes, for engines that serve adapters by name (vLLM's LoRA routes). peft is
+imported only when the model carries PEFT layers."""
 
 from __future__ import annotations
 

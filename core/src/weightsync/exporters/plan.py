@@ -1,11 +1,9 @@
 """What an export will send, decided from names, shapes and dtypes alone, before any byte moves.
 
-A model's tensors are *sources* (references to what the model holds: a local tensor or a DTensor,
-possibly with a LoRA merge to apply). What travels are *outputs*: checkpoint tensors, each either
-a strided view of one source (a renamed tensor, or one expert sliced out of a fused experts tensor)
-or a tensor computed by a conversion group from whole sources (concatenations). Because the plan
-is metadata only, every rank of a sharded trainer can compute the same plan and agree on which
-bytes go where, and the exporter can check names against an engine's checkpoint before sending."""
+A model's tensors are *sources* (a local tensor or a DTensor, maybe with a LoRA merge to apply);
+what travels are *outputs*: checkpoint tensors, each a strided view of one source or computed by a
+conversion group from whole sources. Being metadata only, the plan is the same on every rank of a
+sharded trainer, and its names can be checked against an engine's checkpoint before sending."""
 
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
 """Exporter `torch`: a module, a state dict or an iterator of (name, tensor) -> Buckets.
 
-For a module or a state dict the exporter first plans (names, shapes, dtypes; `plan.py`), then
-streams the planned tensors one bucket at a time (`fetch.py`):
-- a transformers (>= 5) model goes out in its checkpoint layout, as `save_pretrained` writes it,
-  by transformers' own reverse conversion (`layout.py`; `checkpoint_layout: false` turns it off);
-- a PEFT model goes out merged under the base model's names (`lora.py`);
-- sharded (DTensor) weights reach the sending rank slice by slice, each from the rank holding it
-  (`gather.py`); every rank calls `buckets`, and only global rank 0 gets tensors.
-Tensors are referenced or sliced, not copied, wherever the model's own bytes are what is sent. A
-tensor larger than `bucket_bytes` travels alone in a bucket of its own (it is never split, so
-every engine can load it with one call). An iterator is streamed as it comes."""
+A module or a state dict is planned first from metadata (`plan.py`): a transformers (>= 5) model
+goes out in the checkpoint layout `save_pretrained` writes (`layout.py`), a PEFT model merged
+under the base model's names (`lora.py`). Then the planned tensors are streamed one bucket at a
+time (`fetch.py`), sharded (DTensor) weights slice by slice from the rank holding each
+(`gather.py`: every rank calls `buckets`, only global rank 0 gets tensors). Tensors are
+referenced or sliced, not copied, wherever the model's own bytes are what is sent; a tensor
+larger than `bucket_bytes` travels alone, never split, so every engine can load it with one
+call. An iterator is streamed as it comes."""
 
 from __future__ import annotations
 
@@ -115,11 +113,7 @@ class TorchExporter(Exporter):
         """The names `plan` sends after `name_map` (run on meta tensors: no data is touched)."""
         if name_map is None:
             return [x.name for x in plan.outputs]
-        names: list[str] = []
-        for x in plan.outputs:
-            meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-            names.extend(n for n, _ in name_map(x.name, meta))
-        return names
+        return [n for x in plan.outputs for n, _ in _on_meta(x, name_map)]
 
     def check(self, model: Any, plan: Plan, name_map: NameMap | None) -> None:
         """Refuse an export whose names are not the checkpoint's in `expect_names_from`."""
@@ -212,11 +206,8 @@ class TorchExporter(Exporter):
 def _owners(plan: Plan, name_map: NameMap | None, world: int) -> list[tuple[int, str, int]]:
     """(owner rank, name, bytes) of every tensor a push sends: the outputs (after `name_map`, run
     on meta tensors) in runs of about equal bytes per rank, one output's tensors together."""
-    groups = []
-    for x in plan.outputs:
-        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-        outs = name_map(x.name, meta) if name_map else [(x.name, meta)]
-        groups.append([(n, t.numel() * t.element_size()) for n, t in outs])
+    groups = [[(n, t.numel() * t.element_size()) for n, t in _on_meta(x, name_map)]
+              for x in plan.outputs]
     total = max(1, sum(b for g in groups for _, b in g))
     entries, acc = [], 0
     for g in groups:
@@ -225,3 +216,9 @@ def _owners(plan: Plan, name_map: NameMap | None, world: int) -> list[tuple[int,
         entries += [(owner, n, b) for n, b in g]
         acc += size
     return entries
+
+
+def _on_meta(x: Output, name_map: NameMap | None) -> Iterable[tuple[str, torch.Tensor]]:
+    """What `name_map` makes of output `x`, run on a meta tensor of its shape and dtype."""
+    meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return name_map(x.name, meta) if name_map else [(x.name, meta)]
