@@ -120,10 +120,7 @@ class Adapter(Bounded, Component):
 
     def deliver(self, message: Message) -> Mapping[str, Any]:
         """Carry one transport message to the engine (within the open round when there is one)
-        and return the engine's answer. The adapter knows no transport: an engine that runs
-        weightsync's receiver hands the message to the round's transport receiving half
-        (`accepts = None`); an adapter for an engine with its own routes translates the message
-        kinds it lists in `accepts`."""
+        and return its answer; which messages an adapter can carry: `accepts`."""
         raise WeightSyncError(f"adapter {self.name!r} takes no transport messages "
                               f"({message.kind!r} refused)")
 
@@ -158,10 +155,9 @@ class HttpAdapter(Adapter):
 
 
 class AckedRound:
-    """The round of an engine that cannot hash what it loaded (`verification = "ack"`: SGLang's and
-    LMDeploy's own routes): the sender's digest of each bucket the engine acknowledged in full.
-    `end` returns them, so a bucket it refused or never answered is missing and the pipeline fails
-    the engine; thread-safe (broadcasts are acknowledged on their own threads)."""
+    """The round of an engine that cannot hash what it loaded (`verification = "ack"`): the sender's
+    digest of each bucket it acknowledged in full, for `end` to return, so a bucket it refused or
+    never answered fails it. Thread-safe: broadcasts are acknowledged on their own threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -176,8 +172,7 @@ class AckedRound:
             return dict(self._digests)
 
     def reset(self) -> int:
-        """Forget the round; returns how many buckets the engine had loaded (after an abort:
-        it holds a mix of versions until a whole push lands)."""
+        """Forget the round; returns how many buckets the engine had loaded (a mix of versions)."""
         with self._lock:
             n, self._digests = len(self._digests), {}
         return n

@@ -45,10 +45,9 @@ class Encoding(Component):
 
     @abc.abstractmethod
     def encode(self, bucket: Bucket, alloc: Alloc | None = None) -> Payload:
-        """`alloc(nbytes)`, when given, returns the buffer to write the body into. The body
-        must then be that buffer (or a view of it): the transport frees a buffer when the
-        payload in it is answered or discarded, so one taken and not shipped stays held until
-        the next sync opens, and the export waits for it."""
+        """`alloc(nbytes)`, when given, returns the buffer the body must be (or be a view of): the
+        transport frees it when the payload is answered or discarded, so one taken and not
+        shipped stays held until the next sync opens."""
 
     @abc.abstractmethod
     def decode(self, payload: Payload,
@@ -109,9 +108,8 @@ class TransportReceiver(abc.ABC):
         self.options: Any = options
 
     def deliver(self, kind: str, body: Mapping[str, Any], session: Stages) -> dict[str, Any]:
-        """One message from this transport's sending half (`Adapter.deliver`), parsed inside the
-        engine; returns the JSON answer. Here: an `Announce` ("announce", `body` the payload's
-        header) is staged through `session` and answered with its digest. A transport with
+        """One message from this transport's sending half (`Adapter.deliver`); returns the JSON
+        answer. Here: an `Announce` is staged and answered with its digest; a transport with
         messages of its own overrides this and passes the rest up."""
         if kind == "announce":
             return {"digest": session.apply(body, None)}
@@ -168,10 +166,9 @@ class Transport(Bounded, Component):
         return {}
 
     def relay_plan(self, engines: Sequence["Adapter"]) -> dict[str, list[str]] | None:
-        """Relay shapes: who would feed whom among `engines` (each member's children; {}: no
-        one relays this time). None: the trainer sends every engine its own copy (star), and
-        engines that lack the encoding's base get theirs from the trainer too. A transport that
-        relays returns a plan, and the pipeline then catches such engines up from a peer."""
+        """Relay shapes: each member's children among `engines` ({}: no one relays this time); the
+        pipeline then catches engines that lack the encoding's base up from a peer. None: the
+        trainer sends every engine its own copy (star), those engines' too."""
         return None
 
     def remarks(self) -> dict[str, str]:

@@ -145,13 +145,16 @@ class AdapterContract(Contract, abc.ABC):
         a.resume()
         assert a.health().version == 0
 
-    def test_push_commits_version(self, engine: EngineSpec) -> None:
+    def _config(self, engine: EngineSpec) -> dict[str, Any]:
+        """A sync config that pushes to `engine` through this adapter and transport."""
         a = self.make_adapter(engine)
-        cfg = {"adapter": {"kind": a.name, "options": a.options.model_dump()},
-               "transport": {"kind": self.transport, "options": self.transport_options},
-               "engines": [engine.model_dump(exclude_none=True)]}
+        return {"adapter": {"kind": a.name, "options": a.options.model_dump()},
+                "transport": {"kind": self.transport, "options": self.transport_options},
+                "engines": [engine.model_dump(exclude_none=True)]}
+
+    def test_push_commits_version(self, engine: EngineSpec) -> None:
         sd = perturb(self.make_model(), 1)
-        with WeightSync.from_config(cfg) as sync:
+        with WeightSync.from_config(self._config(engine)) as sync:
             report = sync.push(sd, version=1)
         assert report.ok, report.summary()
         assert self.make_adapter(engine).health().version == 1
@@ -161,12 +164,8 @@ class AdapterContract(Contract, abc.ABC):
                 assert torch.equal(got[n], t), n
 
     def test_failed_round_keeps_version(self, engine: EngineSpec) -> None:
-        a = self.make_adapter(engine)
-        cfg = {"adapter": {"kind": a.name, "options": a.options.model_dump()},
-               "transport": {"kind": self.transport, "options": self.transport_options},
-               "engines": [engine.model_dump(exclude_none=True)]}
         bad = {"no.such.tensor": torch.zeros(3)}
-        with WeightSync.from_config(cfg) as sync, pytest.raises(SyncError):
+        with WeightSync.from_config(self._config(engine)) as sync, pytest.raises(SyncError):
             sync.push(bad, version=1)
         assert self.make_adapter(engine).health().version == 0
 
