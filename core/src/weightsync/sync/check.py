@@ -66,9 +66,7 @@ def check_config(source: str | Path) -> tuple[list[str], str]:
 def _unknown_names(data: dict[str, Any], components: Any) -> list[str]:
     """Components named in a config that failed its schema: still checked, so one pass says all."""
     out = []
-    for kind in ("exporter", "encoding", "transport", "adapter", "fleet"):
-        if kind not in data:
-            continue
+    for kind in [k for k in ("exporter", "encoding", "transport", "adapter", "fleet") if k in data]:
         try:
             components.registry(kind).get(ComponentRef.model_validate(data[kind]).kind)
         except (ValidationError, WeightSyncError) as e:
@@ -78,9 +76,8 @@ def _unknown_names(data: dict[str, Any], components: Any) -> list[str]:
 
 
 def contact(sync: Any) -> tuple[list[str], list[str]]:
-    """(problems, lines) of a `WeightSync`'s fleet: each engine (the registry's members, or the
-    static list) asked for its health and version, and for access where its adapter can check a
-    credential without changing anything (`ChecksAccess`)."""
+    """(problems, lines) of a `WeightSync`'s fleet: each engine asked for its health and version,
+    and for access where its adapter can check a credential harmlessly (`ChecksAccess`)."""
     from weightsync.interfaces import ChecksAccess
     problems: list[str] = []
     lines: list[str] = []

@@ -147,10 +147,9 @@ class WeightSync:
     # -- the sync ----------------------------------------------------------------------------
     def push(self, model: Any, version: int, *, name_map: NameMap | None = None,
              probe_with: Any = None) -> SyncReport:
-        """Send `model` to every engine as weight version `version`; verify; return the report.
-        Raises SyncError (with `.report`) when an engine did not end at `version`. `probe_with`:
-        the causal LM the probe runs when `model` is not one (a state dict or tensors taken from
-        it, as the integrations push)."""
+        """Send `model` to every engine as weight version `version`; verify; return the report
+        (SyncError with `.report` when an engine did not end at `version`). `probe_with`: the
+        causal LM the probe runs when `model` is not one (a state dict taken from it)."""
         self._probe_model = probe_with if probe_with is not None else model
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"version {version} is not newer than the last pushed version "

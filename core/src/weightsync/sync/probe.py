@@ -46,11 +46,6 @@ def trainer_logprobs(model: Any, ids: list[int]) -> list[float]:
         model.train(was)
 
 
-def gap(mine: list[float], theirs: list[float]) -> dict[str, float]:
-    d = [abs(a - b) for a, b in zip(mine, theirs)]
-    return {"mean": sum(d) / max(len(d), 1), "max": max(d, default=0.0)}
-
-
 def join_probe(model: Any, settings: ProbeSettings) -> None:
     """A follower rank's part of the probe: the same forward pass as rank 0's, on the same ids."""
     vocab = vocab_of(model) if isinstance(model, torch.nn.Module) else None
@@ -111,7 +106,8 @@ def run_probe(model: Any, version: int, adapters: list[Adapter], report: SyncRep
             o.fail("probe", f"the probe could not be scored: {err}")
             continue
         theirs, held = answers[a.engine_name]
-        o.probe = {"version": held, **gap(mine, theirs)}
+        d = [abs(x - y) for x, y in zip(mine, theirs)]
+        o.probe = {"version": held, "mean": sum(d) / max(len(d), 1), "max": max(d, default=0.0)}
         if held != version:
             o.fail("probe", f"the probe was scored at version {held}, not {version}")
         elif o.probe["max"] > tolerance:

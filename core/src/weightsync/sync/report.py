@@ -81,18 +81,14 @@ class SyncReport:
                      + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ")")
         if self.density is not None:
             line += f", density {self.density:.4%}"
-        for o in self.engines.values():
-            if not o.ok:
-                line += f"\n  {o.engine} failed at {o.stage} (holds version {o.version}): {o.error}"
-        for o in self.engines.values():
-            if o.peer_error is not None:
-                line += f"\n  {o.engine}: no peer join ({o.peer_error}); whole tensors from the trainer instead"
-        for o in self.engines.values():
-            if o.remark is not None:
-                line += f"\n  {o.engine}: {o.remark}"
-        for name, why in self.excluded.items():
-            line += f"\n  {name} excluded: {why}"
-        return line
+        out = self.engines.values()
+        notes = ([f"{o.engine} failed at {o.stage} (holds version {o.version}): {o.error}"
+                  for o in out if not o.ok]
+                 + [f"{o.engine}: no peer join ({o.peer_error}); whole tensors from the trainer instead"
+                    for o in out if o.peer_error is not None]
+                 + [f"{o.engine}: {o.remark}" for o in out if o.remark is not None]
+                 + [f"{name} excluded: {why}" for name, why in self.excluded.items()])
+        return line + "".join(f"\n  {n}" for n in notes)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (documented field by field in docs/report.md)."""

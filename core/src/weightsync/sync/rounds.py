@@ -86,9 +86,8 @@ class Calls:
 
 
 class Renewer:
-    """Renews the leases of the engines in `members` every third of the lease, off the main
-    thread, until stopped. A renewal that fails is logged: that engine's lease then lapses and it
-    aborts by itself, which the next call to it reports."""
+    """Renews the leases of `members` every third of the lease, off the main thread. A failed
+    renewal is only logged: that engine's lease lapses, and the next call to it reports it."""
 
     def __init__(self, lease: float) -> None:
         self.every = max(0.05, lease / 3)

@@ -41,9 +41,8 @@ class RanksLost(SyncError):
 
 def send_own(stream: Stream, model: Any, name_map: NameMap | None, engines: list[Adapter],
              version: int, mode: str, count: bool) -> dict[str, Any]:
-    """One rank's part of a round: its transport opened to `engines`, its own buckets streamed,
-    finished. What rank 0 needs of it, as JSON (an exception becomes `error`: the other ranks
-    are in the gather that follows, so this rank must reach it too)."""
+    """One rank's part of a round (open, stream its own buckets, finish), as JSON for rank 0; an
+    exception becomes `error`, since the other ranks wait in the gather that follows."""
     local = SyncReport(version=version)
     failed: dict[str, list[str]] = {}
     digests: dict[int, str] = {}
@@ -129,9 +128,8 @@ class SpreadRound(GroupRound):
 
 def follow(sync: "WeightSync", model: Any, version: int, name_map: NameMap | None,
            stream: Callable[[Any], Stream]) -> None:
-    """A rank other than 0 in a spread push: take rank 0's orders (a round's sending stage each)
-    until it says done, then commit or roll back the encoding as rank 0 did. `stream(encoding)`
-    builds this rank's data path."""
+    """A rank other than 0 in a spread push: run rank 0's orders (a round's sending stage each)
+    until it says done, then commit or roll back the encoding as rank 0 did."""
     begun, first = False, True
     try:
         while True:

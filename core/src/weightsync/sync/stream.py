@@ -58,9 +58,8 @@ class Stream:
         return end is not None and time.monotonic() > end + grace
 
     def _next(self, q: queue.Queue) -> Any:
-        """The next item of the export, waiting no later than the sending deadline: an export
-        stuck in a collective (a trainer rank frozen) fails the round instead of the push
-        hanging on."""
+        """The next item of the export, waited for no later than the sending deadline: an export
+        stuck in a collective (a trainer rank frozen) fails the round instead of hanging it."""
         while True:
             end = self.transport.deadline
             try:
@@ -86,9 +85,8 @@ class Stream:
             drop: Callable[[list[Adapter], dict[str, BaseException], str], list[Adapter]],
             digests: dict[int, str], *, mode: str = "engines", count: bool = True) -> list[Adapter]:
         """Stream every bucket to `active`; returns the engines still in. `mode` "publish": no
-        engine (publish-only transports); "encode": encoded and dropped (the encoding's state must
-        advance though no engine takes it); "engines": stops once none is left. Each payload's
-        digest goes into `digests`; `count` False reports only wire bytes (a catch-up pass)."""
+        engine; "encode": encoded and dropped (the encoding's state must advance); "engines":
+        stops once none is left. `count` False reports only wire bytes (a catch-up pass)."""
         timed = self.timed
         slots = threading.Semaphore(self.max_inflight)
         q: queue.Queue = queue.Queue()
