@@ -154,19 +154,17 @@ def read_config_file(path: Path) -> dict[str, Any]:
                           f"or .json file")
     text = path.read_text()
     suffix = path.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml", ".json"):
+        raise ConfigError(f"config file {path}: use .yaml, .yml, .toml or .json")
     try:
-        if suffix in (".yaml", ".yml"):
-            import yaml
-            with open(path) as f:           # a named stream: YAML errors name the file
-                data = yaml.safe_load(f)
-        elif suffix == ".toml":
+        if suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix == ".json":
             data = json.loads(text)
         else:
-            raise ConfigError(f"config file {path}: use .yaml, .yml, .toml or .json")
-    except ConfigError:
-        raise
+            import yaml
+            with open(path) as f:           # a named stream: YAML errors name the file
+                data = yaml.safe_load(f)
     except Exception as e:
         raise ConfigError(f"config file {path} could not be parsed: {e}") from None
     if not isinstance(data, dict):

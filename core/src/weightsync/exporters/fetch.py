@@ -114,7 +114,6 @@ class Fetcher:
                 self.done.add(o.group)
             elif o.source is not None and isinstance(self.rows.get(o.source), Rows):
                 s = o.source
-                assert s is not None
                 if o.whole:
                     requests.append(self._whole(s))
                 else:

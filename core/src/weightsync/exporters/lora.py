@@ -181,10 +181,7 @@ def adapter_config(model: Any, adapter: str | None = None) -> dict[str, Any]:
     if cfg.task_type is None and hasattr(model, "_get_base_model_class"):
         cls = model._get_base_model_class(is_prompt_tuning=cfg.is_prompt_learning)  # noqa: SLF001
         out["auto_mapping"] = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
-    for k, v in out.items():
-        if isinstance(v, set):
-            out[k] = sorted(v)
-    return out
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -32,11 +32,9 @@ class EngineStatus:
 
 
 class Adapter(Bounded, Component):
-    """Speaks one engine's control protocol. One instance per engine.
-
-    Round protocol: `begin` opens the engine's one live round (engines that support it return a
-    round id the adapter then sends with every call, and hold it under a lease the pipeline keeps
-    alive through `renew`); `end` returns digests; `commit` or `abort` closes it."""
+    """Speaks one engine's control protocol, one instance per engine. `begin` opens the engine's one
+    live round (where the engine supports it, a round id sent with every call, held under a lease
+    the pipeline renews through `renew`); `end` returns digests; `commit` or `abort` closes it."""
 
     accepts: ClassVar[tuple[type[Message], ...] | None] = ()
     """The message types `deliver` carries (subclasses count); None: any message, because the

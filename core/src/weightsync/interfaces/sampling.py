@@ -58,9 +58,8 @@ class Gate(BaseModel):
 class Sample:
     """One generated sequence. `version` / `version_end`: the weight versions of its first and
     last token (they differ after a swap: `mixed`); `token_versions`: every token's, where known.
-    `stale_kv`: tokens after a swap were computed over the old weights' KV cache (not prefilled
-    again). `temperature`, `top_k`, `top_p`: which distribution `logprobs` are of (engines
-    differ), so a trainer computes its side the same way."""
+    `stale_kv`: tokens after a swap were computed over the old weights' KV cache. `temperature`,
+    `top_k`, `top_p`: which distribution `logprobs` are of, so a trainer computes its side alike."""
 
     token_ids: list[int]
     logprobs: list[float]
