@@ -1,9 +1,8 @@
 """Peer join: a member that is behind pulls the current version from a member that holds it.
 
-The serving member opens a *share* (a random token with a time to live, from the registry) and
-serves its live weights as a JSON manifest and one raw payload frame per bucket. The joiner
-fetches through a `PeerSource`, checks the manifest against a schema, stages every bucket through
-weightsync's receiver and commits only when all arrived and matched. The peer's manifest proves
+The serving member opens a *share* (a random token with a time to live) and serves its live
+weights as a JSON manifest and one payload frame per bucket; the joiner commits only when every
+bucket arrived and matched. The peer's manifest proves
 only that bytes arrived as sent: a join is anchored by the *trainer's* digests for the version
 (`anchor`, from the registry), and a tensor the trainer never sends must equal the joiner's own.
 A share serves one pull of the version it was opened at (the manifest once, each bucket once)."""

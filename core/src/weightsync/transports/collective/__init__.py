@@ -5,9 +5,8 @@ flattened bytes, cut by the engines' `Adapter.layout`; each engine's announce ru
 thread while rank 0 broadcasts.
 
 A gloo broadcast to a dead peer fails at rank 0 at once, but the survivors wait for data that
-never comes: so on a failure the transport asks every engine for its health, drops the dead ones,
-rebuilds the group under a new name (a stale rank can never join it) and broadcasts again. An
-engine that never joins times the group creation out; the group is built once more without it."""
+never comes: so on a failure the engines whose health fails are dropped, the group is rebuilt
+under a new name (a stale rank can never join it) and the broadcast repeated."""
 
 from weightsync.transports.collective.layout import body_layout, split_payload
 from weightsync.transports.collective.messages import Broadcast, JoinGroup, LeaveGroup

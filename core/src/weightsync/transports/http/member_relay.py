@@ -1,14 +1,11 @@
 """A member that passes payloads on (the `http` transport's chain and tree shapes), engine side.
 
 The trainer first tells each member over its own authenticated channel what bucket `index` will
-be: header, the digest of every piece, parent, children (relay URL, round id, relay token) and an
-answer key (`Desk.expect`). The bytes then arrive from the parent (`relay`): each piece is checked
-against its digest before it is forwarded or kept, so a tampered piece stops the bucket here and
-the signed answer names the parent. Children are fed on their own threads a piece behind; where
-the session stages as it receives (`ReceiveSession.streams`), bytes land straight in staging
-(`landing`). The trainer asks every member for its outcome over the member's own channel
-(`Desk.answer`), never through the tree, and feeds directly a member whose parent stalls; a relay
-staging a bucket is stopped (`Desk.supersede`, `Desk.close`) before a direct copy stages it."""
+be (`Desk.expect`: the digest of every piece, parent, children, answer key). The bytes then arrive
+from the parent (`relay`), each piece checked against its digest before it is forwarded or kept,
+so a tampered piece stops the bucket here and the signed answer names the parent. The trainer
+asks every member for its outcome over the member's own channel (`Desk.answer`), never through
+the tree, and feeds directly a member whose parent stalls (`Desk.supersede` stops the relay)."""
 
 from __future__ import annotations
 

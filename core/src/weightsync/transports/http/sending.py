@@ -2,13 +2,10 @@
 to every engine in parallel. For cross-cluster syncs and small deltas, where no shared disk or
 group exists.
 
-Double-buffered like `shm`: payloads are packed straight into `buffers` (2) reusable send
-buffers (`alloc`: warm memory, no allocation per bucket), and for engines that take payloads in
-any order (`Adapter.ordered_announces`: weightsync's receiver) `send` returns as soon as the POSTs
-of bucket i are on their way, so the exporter packs bucket i+1 while the engines receive and
-stage bucket i, and bucket i+1 goes out while they still stage bucket i (two requests in flight
-per engine, on two connections). A buffer is handed out again once every POST that carries it
-has been answered. Engines that need payloads one after another get them that way."""
+Double-buffered like `shm`: payloads are packed into `buffers` reusable send buffers (`alloc`),
+and for engines that take payloads in any order (`Adapter.ordered_announces`) `send` returns as
+soon as the POSTs of bucket i are on their way, so bucket i+1 is packed and sent while the engines
+still stage bucket i. Engines that need payloads one after another get them that way."""
 
 from __future__ import annotations
 

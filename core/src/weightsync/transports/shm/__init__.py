@@ -2,9 +2,7 @@
 shared buffers (`alloc`), and each engine gets an announce whose header is JSON only (segment name,
 offset, nbytes; or a CUDA IPC handle); it reads the bytes in place, nothing is pickled.
 
-Double-buffered: `segments` buffers are used in turn; `send` returns at once, and `alloc` waits
-until every engine's announce for the payload in that buffer returned.
-
+Double-buffered: `send` returns at once, and `alloc` waits until the buffer's announces returned.
 No leaked segments: names carry the sender's pid and a random token and are registered with
 Python's resource tracker, which unlinks them if the sender dies (even by SIGKILL); receivers
 open them read-only and check names against `NAME_RE`. The last 64 bytes of a CPU segment hold a
