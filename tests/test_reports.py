@@ -19,7 +19,7 @@ from weightsync.testing.sample import perturb, sample_state_dict, write_weights_
 
 FIELDS = {"version", "verified", "logical_bytes", "wire_bytes", "buckets", "tensors", "seconds",
           "pause_window", "engines", "digests", "density", "published", "rank", "joined", "left",
-          "excluded", "ok", "probe"}
+          "excluded", "ok", "probe", "senders"}
 OUTCOME_FIELDS = {"engine", "ok", "version", "stage", "error", "seconds", "status", "caught_up",
                   "pause_window", "probe", "peer", "peer_error", "remark"}
 
@@ -54,6 +54,7 @@ def test_to_json_field_by_field(tmp_path: Path) -> None:
                  "pause_window": o["pause_window"], "probe": None,    # a state dict is not probed
                  "peer": None, "peer_error": None, "remark": None}
     assert d["probe"] == "skipped: the pushed model is not a causal LM the trainer can score"
+    assert d["senders"] == {}                  # one process: no rank sent on its own
     assert 0 < o["seconds"] <= d["seconds"]["total"]
     back = SyncReport.from_json(d)
     assert back.to_json() == d
