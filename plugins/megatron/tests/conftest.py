@@ -124,6 +124,19 @@ def check_traffic(rows: list[dict[str, Any]], case: str) -> None:
     assert all(r["all_gather"] < 64 * 1024 for r in mine.values())
 
 
+def check_spread(rows: list[dict[str, Any]], case: str) -> None:
+    """`senders: all`: every rank verified, no tensor sent point to point (no funnel to rank 0),
+    every rank sent and none more than 40% of the push's wire bytes."""
+    mine = {r["rank"]: r for r in rows if r["case"] == case}
+    assert set(mine) == {0, 1, 2, 3} and all(r["ok"] and r["verified"] for r in mine.values())
+    assert all(r["recv"] == 0 and r["send"] == 0 for r in mine.values())
+    sent = {int(k): n for k, n in mine[0]["senders"].items()}
+    total = mine[0]["wire"]
+    assert sum(sent.values()) == total > 0
+    assert set(sent) == {0, 1, 2, 3} and min(sent.values()) > 0, sent
+    assert max(sent.values()) <= 0.4 * total, {r: round(n / total, 3) for r, n in sent.items()}
+
+
 DENSE = ["llama", "qwen2", "qwen3"]                       # at TP2xPP2; llama with the negative control
 MOE_LAYOUTS = {"pp2_ep2": dict(tp=1, pp=2, ep=2, etp=1), "tp2_ep2_etp1": dict(tp=2, pp=1, ep=2, etp=1),
                "tp2_ep2_etp2": dict(tp=2, pp=1, ep=2, etp=2), "tp2_pp2": dict(tp=2, pp=2, ep=1, etp=1)}
@@ -183,6 +196,7 @@ class Kit:
     problems = staticmethod(problems)
     engine_dir = staticmethod(engine_dir)
     check_traffic = staticmethod(check_traffic)
+    check_spread = staticmethod(check_spread)
 
 
 @pytest.fixture(scope="session")
