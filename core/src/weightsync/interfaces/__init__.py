@@ -9,7 +9,7 @@ from weightsync.interfaces.capabilities import (ChecksAccess, Distrusts, JoinsGr
                                                 PullsFromPeers, RelaysFetches, RelaysPayloads, ReloadsFromDisk,
                                                 Scores, ServesPayloads, SharesRounds,
                                                 SharesWeights)
-from weightsync.interfaces.fleet import Fleet, Member, PeerSource
+from weightsync.interfaces.fleet import Fleet, Member, PeerHosting, PeerSource
 from weightsync.interfaces.launcher import Launcher, LocalEngine
 from weightsync.interfaces.messages import Announce, Message
 from weightsync.interfaces.streams import (Encoding, Endpoint, Exporter, Render, Stages, Transport,
@@ -17,6 +17,6 @@ from weightsync.interfaces.streams import (Encoding, Endpoint, Exporter, Render,
 
 __all__ = ["AckedRound", "Adapter", "Alloc", "Announce", "Bounded", "ChecksAccess", "Component",
            "Distrusts", "Encoding", "EngineStatus", "Endpoint", "Exporter", "Fleet", "HttpAdapter", "JoinsGroups", "Launcher",
-           "LocalEngine", "Member", "Message", "NameMap", "NoOptions", "Payload", "PeerSource",
+           "LocalEngine", "Member", "Message", "NameMap", "NoOptions", "Payload", "PeerHosting", "PeerSource",
            "PullsFromPeers", "RelaysFetches", "RelaysPayloads", "ReloadsFromDisk", "Render",
            "Scores", "ServesPayloads", "SharesRounds", "SharesWeights", "Stages", "Transport", "TransportReceiver"]

@@ -1,4 +1,5 @@
-"""Where a push's members come from (Fleet); how a joiner fetches a peer's weights (PeerSource)."""
+"""Where a push's members come from (Fleet); how a joiner fetches a peer's weights (PeerSource),
+and how a member serves them when the bytes do not travel over its own HTTP routes (PeerHosting)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 from weightsync.interfaces.base import Component
 
 if TYPE_CHECKING:
+    import torch
+
     from weightsync.config import EngineSpec
 
 
@@ -59,3 +62,47 @@ class PeerSource(Component):
     @abc.abstractmethod
     def bucket(self, peer: Mapping[str, Any], index: int) -> tuple[dict[str, Any], memoryview]:
         """One payload: its header (index, last, encoding, digest, tensors, nbytes, version) and body."""
+
+    def hosting(self) -> "PeerHosting":
+        """This source's serving half, for a member that serves joiners through it. HTTP, the
+        built-in source, needs none (the engine's own routes serve); a source that moves bytes
+        another way (registered memory for RDMA) returns a PeerHosting."""
+        from weightsync.errors import ConfigError
+        raise ConfigError(f"peer source {self.name!r} has no serving half: a member serves "
+                          f"joiners through it only where it returns one from hosting()")
+
+
+class PeerHosting(abc.ABC):
+    """A peer source's serving half inside a member: it holds one version where joiners read it
+    (memory registered with a transfer engine, say). The member publishes its current weights
+    when a share asks for a version the hosting does not hold, and withdraws them when it moves
+    on, so a joiner never reads a version the member no longer holds."""
+
+    version: int | None = None
+    """The version published now (None: nothing is served)."""
+
+    @abc.abstractmethod
+    def publish(self, version: int, named: Mapping[str, "torch.Tensor"]) -> None:
+        """Serve `named` as `version` from now on (what served an older version goes)."""
+
+    @abc.abstractmethod
+    def share(self, token: str, ttl: float) -> dict[str, Any]:
+        """Let the joiner holding `token` read the published version once within `ttl` seconds;
+        returns {"version", "source"}, as `SharesWeights.share` does."""
+
+    @abc.abstractmethod
+    def manifest(self, token: str | None) -> dict[str, Any]:
+        """What the joiner's manifest call (`GET /weightsync/peer/manifest`) returns: this
+        source's peer side parses it."""
+
+    @abc.abstractmethod
+    def withdraw(self) -> None:
+        """Stop serving the published version: a read of it fails from now on."""
+
+    def health(self) -> dict[str, Any]:
+        """What the member's health shows of this hosting (reads served, say)."""
+        return {"version": self.version}
+
+    def close(self) -> None:
+        """Withdraw and release what the hosting holds."""
+        self.withdraw()

@@ -5,6 +5,7 @@ pickle, which weightsync never loads from another process)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import itertools
@@ -72,6 +73,9 @@ class Agent:
         self._held = threading.Lock()
         self._pumping = False
         self._keys = itertools.count()
+        self._threads: list[threading.Thread] = []    # ours that call NIXL: joined at exit
+        self._adopted = threading.Lock()
+        self.closing = threading.Event()
 
     # -- progress ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -89,14 +93,33 @@ class Agent:
         """Progress for `key` for at most `seconds` (until `release(key)`)."""
         with self._held:
             self._holds[key] = time.monotonic() + seconds
-            if not self._pumping:
+            if not self._pumping and not self.closing.is_set():
                 self._pumping = True
-                threading.Thread(target=self._pump_while_held, daemon=True,
-                                 name="ws-nixl-progress").start()
+                self.adopt(threading.Thread(target=self._pump_while_held, daemon=True,
+                                            name="ws-nixl-progress")).start()
 
     def release(self, key: object) -> None:
         with self._held:
             self._holds.pop(key, None)
+
+    def adopt(self, thread: threading.Thread) -> threading.Thread:
+        """A thread of ours that calls NIXL: at exit it is waited for (it must end when
+        `closing` is set), so none is inside NIXL while the interpreter tears NIXL down."""
+        with self._adopted:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        return thread
+
+    def quiesce(self, timeout: float = 5.0) -> None:
+        """Stop progressing: end every hold and wait for our threads to leave NIXL."""
+        self.closing.set()
+        with self._held:
+            self._holds.clear()
+        with self._adopted:
+            threads = list(self._threads)
+        end = time.monotonic() + timeout
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, end - time.monotonic()))
 
     def _pump_while_held(self) -> None:
         """NIXL's own progress thread spins a core for the life of the process even when idle;
@@ -106,7 +129,7 @@ class Agent:
                 now = time.monotonic()
                 for k in [k for k, until in self._holds.items() if until <= now]:
                     del self._holds[k]
-                if not self._holds:
+                if not self._holds or self.closing.is_set():
                     self._pumping = False
                     return
             try:
@@ -262,6 +285,17 @@ class Agent:
 
 _agents: dict[str, Agent] = {}
 _agents_lock = threading.Lock()
+
+
+@atexit.register
+def _quiesce_all() -> None:
+    """Daemon threads still run while the interpreter shuts down; one inside a NIXL call when
+    NIXL's objects are destroyed aborts the process ("terminate called without an active
+    exception"). atexit runs before that teardown: every agent stops progressing first."""
+    with _agents_lock:
+        agents = list(_agents.values())
+    for a in agents:
+        a.quiesce()
 
 
 def agent(role: str) -> Agent:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from weightsync.fleets.peer import Shares
+from weightsync.interfaces import PeerHosting
 from weightsync.net.server import HttpError, Routes, Server, make_server
 from weightsync.wire.frame import pack
 from weightsync_nixl.agent import Agent, Region, agent
@@ -40,8 +41,9 @@ class _Store:
         return self.named.get(name)
 
 
-class PeerHost:
-    """Holds one version in registered memory; `publish` a newer one, `withdraw` to stop serving."""
+class PeerHost(PeerHosting):
+    """Holds one version in registered memory; `publish` a newer one, `withdraw` to stop serving.
+    A member's serving half (`NixlPeerSource.hosting`), or a process of its own (`serve`)."""
 
     def __init__(self, bucket_bytes: int = 64 * 2**20, nixl: Agent | None = None) -> None:
         self.agent = nixl or agent("peer")
@@ -54,7 +56,8 @@ class PeerHost:
         self.retired: list[Region] = []              # deregistered, kept alive: a late READ
         self.pending: dict[str, int] = {}            # share token -> buckets not yet read
         self._stop = threading.Event()
-        threading.Thread(target=self._count, daemon=True, name="ws-nixl-peer-notes").start()
+        self.agent.adopt(threading.Thread(target=self._count, daemon=True,
+                                          name="ws-nixl-peer-notes")).start()
 
     def publish(self, version: int, named: Mapping[str, torch.Tensor]) -> None:
         """Serve `version`: pack every bucket into one registered buffer (the old one goes)."""
@@ -114,7 +117,7 @@ class PeerHost:
     def _count(self) -> None:
         """Count the buckets joiners report read (`read:<token>:<index>` notifications); a
         joiner that read every bucket no longer needs this side to progress."""
-        while not self._stop.wait(0.05):
+        while not self._stop.wait(0.05) and not self.agent.closing.is_set():
             self.agent.pump()
             for m in self.agent.take_notes(b"read:"):
                 self.reads += 1
@@ -128,12 +131,17 @@ class PeerHost:
                             self.agent.release(("share", token))
 
     def health(self) -> dict[str, Any]:
+        offer = self.offer
         return {"status": "ok", "version": self.version, "reads": self.reads,
-                "agent": self.agent.name}
+                "buckets": len(offer["nixl"]["buckets"]) if offer else 0, "agent": self.agent.name}
 
     def close(self) -> None:
         self._stop.set()
         self.withdraw()
+        with self.lock:
+            shares, self.pending = list(self.pending), {}
+        for token in shares:          # a closed host progresses for no joiner
+            self.agent.release(("share", token))
 
 
 @routes.add("GET", "/health", auth=False, max_body=0)

@@ -23,11 +23,12 @@ from weightsync.fleets.peer import MAX_MANIFEST, parse_manifest
 from weightsync.interfaces import PeerSource
 from weightsync_nixl.agent import NAME_RE, Desc, agent
 from weightsync_nixl.messages import MEM_TYPES, parse_descs, parse_metadata
-from weightsync_nixl.peer_host import SHARE_HEADER
+from weightsync_nixl.peer_host import SHARE_HEADER, PeerHost
 from weightsync_nixl.staging import staging
 
 ROLE = "joiner"
 TIMEOUT_ENV = "WEIGHTSYNC_NIXL_PEER_TIMEOUT"
+BUCKET_ENV = "WEIGHTSYNC_NIXL_PEER_BUCKET_BYTES"
 
 
 class PeerOptions(BaseModel):
@@ -35,6 +36,10 @@ class PeerOptions(BaseModel):
     timeout: float = Field(default_factory=lambda: float(os.environ.get(TIMEOUT_ENV) or 120.0),
                            gt=0, description=f"seconds for the manifest and for each bucket's "
                                              f"READ (default ${TIMEOUT_ENV}, else 120)")
+    bucket_bytes: int = Field(
+        default_factory=lambda: int(os.environ.get(BUCKET_ENV) or 64 * 2**20), gt=0,
+        description=f"the serving half's bucket size, when a member hosts its version (default "
+                    f"${BUCKET_ENV}, else 64 MiB)")
 
 
 @dataclass
@@ -55,6 +60,10 @@ class NixlPeerSource(PeerSource):
         self.session = requests.Session()
         self.pulls: dict[str, _Pull] = {}
         self.lock = threading.Lock()
+
+    def hosting(self) -> PeerHost:
+        """The serving half: a member keeps its version in registered memory for joiners."""
+        return PeerHost(bucket_bytes=self.options.bucket_bytes)
 
     def manifest(self, peer: Mapping[str, Any]) -> dict[str, Any]:
         url = str(peer["url"]).rstrip("/")

@@ -28,7 +28,7 @@ def _serve(args: argparse.Namespace) -> int:
           fleet_key=args.fleet_key, fleet_credential_file=args.fleet_credential_file,
           advertise=args.advertise, verbosity=args.verbose - args.quiet,
           hmac_key_file=args.hmac_key_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
-          rollout_key_file=args.rollout_key_file)
+          rollout_key_file=args.rollout_key_file, share_source=args.share_source)
     return 0
 
 
@@ -53,6 +53,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                     "fleet name back at once (without it: after the registry releases the name)")
     sp.add_argument("--advertise", default=None, metavar="URL",
                     help="the URL the registry and trainer reach this engine at (default from --host/--port)")
+    sp.add_argument("--share-source", default="http", metavar="NAME",
+                    help="the peer source whose serving half serves joiners this engine's weights "
+                         "(http: this server's own routes; a plugin's source, e.g. nixl: "
+                         "registered memory a joiner reads one-sided)")
     sp.add_argument("--hmac-key-file", default=None, help="refuse payloads not signed with this "
                     "shared key (also $WEIGHTSYNC_HMAC_KEY)")
     sp.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM)")

@@ -326,7 +326,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
           fleet_key: str | None = None, advertise: str | None = None, verbosity: int = 0,
           fleet_credential_file: str | None = None,
           hmac_key_file: str | None = None, tls_cert: str | None = None,
-          tls_key: str | None = None, rollout_key_file: str | None = None) -> None:
+          tls_key: str | None = None, rollout_key_file: str | None = None,
+          share_source: str = "http") -> None:
     from weightsync.plugins import load_components
     from weightsync_reference.server.model import load_model
 
@@ -335,7 +336,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8100, api_key: st
     from weightsync.wire.signing import load_key
     key = resolve_key(api_key, api_key_file)
     engine = ReferenceEngine(load_model(model_dir, device), load_components(), name or f"{host}:{port}",
-                             hmac_key=load_key(None, hmac_key_file))
+                             hmac_key=load_key(None, hmac_key_file), share_source=share_source)
     rollout_key = resolve_key(None, rollout_key_file, env="WEIGHTSYNC_ROLLOUT_KEY")
     server = make_server(engine, host, port, key, load_roots, rollout_key=rollout_key)
     scheme = "http"

@@ -20,7 +20,7 @@ import torch
 
 from weightsync.wire.bucket import dtype_name
 from weightsync.errors import PayloadError
-from weightsync.fleets.peer import Shares, pull
+from weightsync.fleets.peer import pull
 from weightsync.interfaces import Announce
 from weightsync.receive import ReceiveSession, check_tensor
 from weightsync.wire.checkpoint import read_checkpoint
@@ -30,6 +30,7 @@ from weightsync.wire.signing import check_checkpoint
 from weightsync_reference.server.generation import Conflict, Generation
 from weightsync_reference.server.model import LoadedModel
 from weightsync_reference.server.sampler import PAUSE_MODES, BatchingSampler
+from weightsync_reference.server.sharing import Sharing
 
 log = logging.getLogger("weightsync_reference.server")
 DEFAULT_LEASE = 10.0
@@ -61,7 +62,8 @@ class OpenRound:
 
 class ReferenceEngine(Generation):
     def __init__(self, model: LoadedModel, components: Any, name: str = "reference",
-                 watchdog: bool = True, hmac_key: bytes | None = None) -> None:
+                 watchdog: bool = True, hmac_key: bytes | None = None,
+                 share_source: str = "http") -> None:
         self.model = model
         self.hmac_key = hmac_key                 # payloads (and peer frames) must be signed
         self.components = components
@@ -77,7 +79,7 @@ class ReferenceEngine(Generation):
         self.round: OpenRound | None = None
         self.session_lock = threading.RLock()
         self.lapsed = 0                          # rounds and pauses ended by a lapsed lease
-        self.shares = Shares(key=hmac_key)       # peer join: tokens this engine serves
+        self.sharing = Sharing(components, share_source, hmac_key)   # what joiners pull
         self.pulled = 0                          # versions taken from a peer
         self.pulled_from: str | None = None
         self.membership: Any = None        # weightsync.fleets.member.Membership, with --fleet
@@ -232,6 +234,7 @@ class ReferenceEngine(Generation):
             with self.model_lock:
                 r.session.commit()
                 self.version = version
+                self.sharing.moved()
                 self.distrusted = None
             self.round = None
         with self.state:
@@ -255,23 +258,18 @@ class ReferenceEngine(Generation):
         """Let a joiner holding `token` pull this engine's current version once, within `ttl`
         seconds (the token dies with that pull, or when this engine moves on)."""
         with self.model_lock:
-            self.shares.open(token, ttl, self.version)
-            return {"version": self.version, "source": "http"}
+            return self.sharing.share(token, ttl, self.version, self.model.store)
 
     def peer_manifest(self, token: str | None) -> dict[str, Any]:
         with self.model_lock:
-            self.shares.check(token, self.version)
-            return self.shares.manifest(self.version, self.model.store)
+            return self.sharing.manifest(token, self.version, self.model.store)
 
     def peer_bucket(self, token: str | None, index: int, version: int) -> list[Any]:
         with self.model_lock:
             if version != self.version:
                 raise Conflict(f"this peer holds version {self.version} now, not {version}; "
                                f"pull again")
-            self.shares.check(token, self.version, index)
-            out = self.shares.bucket(self.version, index, self.model.store)
-            self.shares.served_all(token, len(self.shares.manifest(self.version, self.model.store)["buckets"]))
-            return out
+            return self.sharing.bucket(token, index, self.version, self.model.store)
 
     def pull(self, peer: Mapping[str, Any], lease: float = 600.0) -> int:
         """Catch up from a peer (see weightsync.fleets.peer): everything is staged and checked in
@@ -323,6 +321,7 @@ class ReferenceEngine(Generation):
 
     def close(self) -> None:
         self._stop.set()
+        self.sharing.close()
 
     def load_from_disk(self, path: str, version: int, allow_older: bool = False,
                        signature: Any = None) -> int:
@@ -345,6 +344,7 @@ class ReferenceEngine(Generation):
             with self.model_lock:
                 self.model.store.load(named)
                 self.version = int(version)
+                self.sharing.moved()
         with self.state:
             self.state.notify_all()
         return self.version
@@ -362,7 +362,7 @@ class ReferenceEngine(Generation):
         return {"status": "ok", "version": self.version, "weight_version": self.version,
                 "paused": self.paused, "distrusted": self.distrusted,
                 "relay": dict(self.relayed), "peer": {"pulled": self.pulled, "from": self.pulled_from,
-                                                "served_buckets": self.shares.served},
+                                                **self.sharing.health()},
                 "round": None if r is None else {"id": r.id, "version": r.version,
                                                  "expires_in": round(r.left(), 3)},
                 "fleet": self.fleet_error()}
