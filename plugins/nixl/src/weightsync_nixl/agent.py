@@ -293,8 +293,23 @@ def _quiesce_all() -> None:
     NIXL's objects are destroyed aborts the process ("terminate called without an active
     exception"). atexit runs before that teardown: every agent stops progressing first."""
     with _agents_lock:
-        agents = list(_agents.values())
+        agents = [*_agents.values(), *_retired]
     for a in agents:
+        a.quiesce()
+
+
+_retired: list[Agent] = []       # kept alive: destroying an agent with live endpoints can abort
+
+
+def fresh_agents() -> None:
+    """Make every role's next `agent()` a new agent; the old ones stop progressing and stay
+    alive. For a test process that runs many modules: each starts with agents of its own, as
+    a real trainer or engine process does."""
+    with _agents_lock:
+        old = list(_agents.values())
+        _agents.clear()
+        _retired.extend(old)
+    for a in old:
         a.quiesce()
 
 
