@@ -64,45 +64,37 @@ class PeerSource(Component):
         """One payload: its header (index, last, encoding, digest, tensors, nbytes, version) and body."""
 
     def hosting(self) -> "PeerHosting":
-        """This source's serving half, for a member that serves joiners through it. HTTP, the
-        built-in source, needs none (the engine's own routes serve); a source that moves bytes
-        another way (registered memory for RDMA) returns a PeerHosting."""
+        """The serving half, for a member that serves joiners through this source (HTTP needs
+        none: the engine's own routes serve)."""
         from weightsync.errors import ConfigError
-        raise ConfigError(f"peer source {self.name!r} has no serving half: a member serves "
-                          f"joiners through it only where it returns one from hosting()")
+        raise ConfigError(f"peer source {self.name!r} has no serving half (hosting())")
 
 
 class PeerHosting(abc.ABC):
-    """A peer source's serving half inside a member: it holds one version where joiners read it
-    (memory registered with a transfer engine, say). The member publishes its current weights
-    when a share asks for a version the hosting does not hold, and withdraws them when it moves
-    on, so a joiner never reads a version the member no longer holds."""
+    """A peer source's serving half inside a member: holds one version where joiners read it
+    (registered memory, say). The member publishes what it holds when a share asks for another
+    version, and withdraws it whenever its weights change: no joiner reads a version gone."""
 
-    version: int | None = None
-    """The version published now (None: nothing is served)."""
+    version: int | None = None                  # published now (None: nothing)
 
     @abc.abstractmethod
     def publish(self, version: int, named: Mapping[str, "torch.Tensor"]) -> None:
-        """Serve `named` as `version` from now on (what served an older version goes)."""
+        """Serve `named` as `version` from now on."""
 
     @abc.abstractmethod
     def share(self, token: str, ttl: float) -> dict[str, Any]:
-        """Let the joiner holding `token` read the published version once within `ttl` seconds;
-        returns {"version", "source"}, as `SharesWeights.share` does."""
+        """One read by `token` within `ttl` s; {"version", "source"} as `SharesWeights.share`."""
 
     @abc.abstractmethod
     def manifest(self, token: str | None) -> dict[str, Any]:
-        """What the joiner's manifest call (`GET /weightsync/peer/manifest`) returns: this
-        source's peer side parses it."""
+        """The answer to the joiner's `GET /weightsync/peer/manifest` (its source parses it)."""
 
     @abc.abstractmethod
     def withdraw(self) -> None:
-        """Stop serving the published version: a read of it fails from now on."""
+        """Stop serving: a read of the published version fails from now on."""
 
     def health(self) -> dict[str, Any]:
-        """What the member's health shows of this hosting (reads served, say)."""
         return {"version": self.version}
 
     def close(self) -> None:
-        """Withdraw and release what the hosting holds."""
         self.withdraw()
