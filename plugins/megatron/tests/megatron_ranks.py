@@ -83,7 +83,9 @@ def run_case(case: dict, ids: torch.Tensor, out: Path) -> None:
         save_file({"logits": logits[..., :vocab].contiguous()}, str(out / f"{case['name']}.logits.safetensors"))
     options = {"hf_config": case["hf"], "bucket_bytes": 65536, **case.get("options", {})}
     cfg = {"engines": case.get("engines") or [{"url": case["url"]}],
-           "sync": {"progress": "off", "senders": case.get("senders", "rank0")},
+           # four ranks and an engine on two cores: a renewal can wait seconds for a core, and
+           # the default 10 s lease lapsed once mid-push under a loaded CI run
+           "sync": {"progress": "off", "senders": case.get("senders", "rank0"), "lease": 30},
            "exporter": {"kind": "megatron", "options": options}}
     if case.get("adapter"):
         cfg["adapter"] = case["adapter"]
