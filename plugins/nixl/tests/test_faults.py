@@ -24,14 +24,9 @@ from weightsync.testing import perturb, sample_state_dict, write_weights_only_mo
 from weightsync_reference.processes import EngineProcess, start_all  # noqa: E402
 
 from weightsync_nixl.sending import NixlTransport  # noqa: E402
+from weightsync_nixl.testing import until  # noqa: E402
 
 
-def until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout}s")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,8 @@ whenever its weights change. Real reference engines on loopback (UCX over TCP)."
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -21,9 +20,10 @@ from weightsync.config import EngineSpec  # noqa: E402
 from weightsync.fleets.peer import new_token  # noqa: E402
 from weightsync.plugins import load_components  # noqa: E402
 from weightsync.testing import perturb, sample_state_dict, write_weights_only_model  # noqa: E402
-from weightsync.wire.bucket import digest_tensors  # noqa: E402
 from weightsync_reference.adapter import ReferenceAdapter  # noqa: E402
 from weightsync_reference.processes import EngineProcess, start_all  # noqa: E402
+
+from weightsync_nixl.testing import anchor, until  # noqa: E402
 
 HOSTING = ["--share-source", "nixl"]
 ENV = {"WEIGHTSYNC_NIXL_PEER_TIMEOUT": "10", "WEIGHTSYNC_NIXL_PEER_BUCKET_BYTES": str(64 << 10)}
@@ -60,20 +60,8 @@ def config(engines: list[EngineProcess], shape: str = "chain", encoding: str = "
             "sync": {"progress": "off", "deadline": 60, "failure_policy": "continue"}}
 
 
-def anchor(sd: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
-    """The trainer's digests of `version` (four tensors a bucket)."""
-    names = list(sd)
-    groups = [names[i: i + 4] for i in range(0, len(names), 4)]
-    return {"version": version, "buckets": [[g, digest_tensors([(n, sd[n]) for n in g])]
-                                            for g in groups]}
 
 
-def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout}s")
-        time.sleep(0.05)
 
 
 def adapter(e: EngineProcess) -> ReferenceAdapter:

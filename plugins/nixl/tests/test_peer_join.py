@@ -23,12 +23,11 @@ from weightsync.config import EngineSpec  # noqa: E402
 from weightsync.fleets.peer import new_token  # noqa: E402
 from weightsync.net.server import free_port  # noqa: E402
 from weightsync.testing import perturb, sample_state_dict, write_weights_only_model  # noqa: E402
-from weightsync.wire.bucket import digest_tensors  # noqa: E402
 from weightsync_reference.adapter import ReferenceAdapter  # noqa: E402
 from weightsync_reference.processes import EngineProcess  # noqa: E402
 
 from weightsync_nixl.peer_host import PeerHost, serve_host  # noqa: E402
-from weightsync_nixl.testing import PeerProcess  # noqa: E402
+from weightsync_nixl.testing import PeerProcess, anchor  # noqa: E402
 
 FAULTY = [sys.executable, str(Path(__file__).with_name("faulty_peer.py"))]
 V = 3
@@ -54,18 +53,12 @@ def joiner(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) ->
         yield e
 
 
-def anchor(weights: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's digests of version V (a bucket of four tensors at a time)."""
-    names = list(weights)
-    groups = [names[i: i + 4] for i in range(0, len(names), 4)]
-    return {"version": V, "buckets": [[g, digest_tensors([(n, weights[n]) for n in g])]
-                                      for g in groups]}
 
 
 def pull(joiner: EngineProcess, share: dict[str, Any], weights: dict[str, Any]) -> int:
     adapter = ReferenceAdapter(engine=EngineSpec(**joiner.spec()))
     try:
-        return adapter.pull({**share, "anchor": anchor(weights)})
+        return adapter.pull({**share, "anchor": anchor(weights, V)})
     finally:
         adapter.close()
 

@@ -1,21 +1,41 @@
-"""Test helpers: a peer host (`python -m weightsync_nixl.serve`) in a child process, and the UCX
-environment that keeps NIXL on loopback TCP where no RDMA device exists."""
+"""Test helpers: a peer host (`python -m weightsync_nixl.serve`) in a child process, the UCX
+environment that keeps NIXL on loopback TCP where no RDMA device exists, the trainer's digests a
+peer join is anchored by, and a bounded wait on another process's state."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import requests
 
 from weightsync.fleets.peer import new_token
 from weightsync.net.process import ServerProcess
 from weightsync.net.server import free_port
+from weightsync.wire.bucket import digest_tensors
 
 LOOPBACK_UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^efa"}
+
+
+def anchor(weights: Mapping[str, Any], version: int) -> dict[str, Any]:
+    """The trainer's digests of `version` (four tensors a bucket), as a registry hands a joiner."""
+    names = list(weights)
+    groups = [names[i: i + 4] for i in range(0, len(names), 4)]
+    return {"version": version, "buckets": [[g, digest_tensors([(n, weights[n]) for n in g])]
+                                            for g in groups]}
+
+
+def until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait (bounded) until `cond()` holds; AssertionError saying `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s")
+        time.sleep(0.05)
 
 
 class PeerProcess:
