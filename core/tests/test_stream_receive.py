@@ -186,3 +186,23 @@ def test_a_body_is_fetched_once_in_binary_with_its_token() -> None:
         assert requests.post(ref["url"], data=b"x", timeout=10).status_code in (404, 405, 501)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_bucket_that_names_a_tensor_twice_is_refused_on_either_path(components: Any,
+                                                                      streamed: bool) -> None:
+    live = _live()
+    s = _session(components, DictStore({n: t.clone() for n, t in live.items()}))
+    twice = _payload([("b", live["b"] + 1), ("b", live["b"] + 2)])
+    tail = b"NEXT REQUEST"
+    stream = Stream(_frame_bytes(twice) + tail)
+    header, rest = read_frame_header(stream.readinto, len(stream.getvalue()) - len(tail))
+    with pytest.raises(PayloadError, match="bucket 0 names tensor 'b' twice; a tensor is sent once"):
+        if streamed:
+            s.apply_stream(header, stream.readinto, rest)
+        else:
+            body = bytearray(rest)
+            read_exact(stream.readinto, memoryview(body))
+            s.apply(header, memoryview(body))
+    assert stream.read() == tail                                  # the body, and only it, read
+    assert s.staged == {} and torch.equal(s.store.get("b"), live["b"])     # nothing staged

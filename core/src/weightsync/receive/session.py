@@ -14,7 +14,7 @@ from weightsync.interfaces import Payload, TransportReceiver
 from weightsync.wire.signing import check as check_signature
 from weightsync.receive.staging import (BodyReader, build_encoding, build_receiver, check_digest,
                                         decode_checked, payload_nbytes, read_exact, read_staged,
-                                        round_digests, stage_from)
+                                        round_digests, stage_from, unique_names)
 from weightsync.receive.stores import WeightStore, check_tensor
 
 
@@ -136,11 +136,7 @@ class ReceiveSession:
             if nbytes != payload_nbytes(header):
                 raise PayloadError(f"bucket {payload.index}: {nbytes} body bytes announced, "
                                    f"{header.get('nbytes')} were sent; the request was truncated")
-            names = [spec.name for spec in payload.specs]
-            if len(set(names)) != len(names):
-                dup = next(n for n in names if names.count(n) > 1)
-                raise PayloadError(f"bucket {payload.index} names tensor {dup!r} twice; a tensor "
-                                   f"is sent once per round")
+            names = unique_names(payload)
             if not self._claim(payload, names):
                 reader.drain()
                 return payload.digest

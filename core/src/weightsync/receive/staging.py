@@ -42,14 +42,19 @@ def build_receiver(ref: Mapping[str, Any], components: Any) -> TransportReceiver
     return cls.receiver(build_options(cls, r, "transport"))
 
 
+def unique_names(payload: Payload) -> list[str]:
+    """The payload's tensor names in header order; a name twice is refused."""
+    names = [s.name for s in payload.specs]
+    if dup := next((n for n in names if names.count(n) > 1), None):
+        raise PayloadError(f"bucket {payload.index} names tensor {dup!r} twice; a tensor is sent "
+                           f"once per round")
+    return names
+
+
 def decode_checked(encoding: Encoding, payload: Payload, current: Callable[[str], torch.Tensor | None],
                    check: Callable[[str, torch.Tensor], Any]) -> list[tuple[str, torch.Tensor]]:
     """Decode a payload into its tensors in header order, each checked by `check(name, t)`."""
-    order = [s.name for s in payload.specs]
-    if len(set(order)) != len(order):
-        dup = next(n for n in order if order.count(n) > 1)
-        raise PayloadError(f"bucket {payload.index} names tensor {dup!r} twice; a tensor is sent "
-                           f"once per round")
+    order = unique_names(payload)
     decoded = dict(encoding.decode(payload, current))
     if set(decoded) != set(order):
         raise PayloadError(f"bucket {payload.index}: decoded tensors {sorted(decoded)} "
