@@ -30,9 +30,11 @@ KINDS = [
     (r"-m weightsync serve", "reference engine (weightsync serve)"),
     (r"-m weightsync demo", "RL demo (trainer side)"),
     (r"ray::|raylet|gcs_server|dashboard|ray/_private|ray/autoscaler", "Ray"),
-    (r"pip|-m build|hatchling|twine|weightsync-fresh-", "packaging: builds, pips, fresh venvs"),
+    (r"weightsync-fresh-|-m build\b|hatchling|twine", "packaging tests: builds, fresh venvs"),
+    (r"-m pip\b|__pip-runner__|bin/pip\b", "pip installs (make's setup, verl's venv)"),
+    (r"mypy|ruff", "lint (mypy, ruff)"),
     (r"exec\(eval\(sys\.stdin|-m pytest|py\.test", "pytest (controller and workers)"),
-    (r"multiprocessing\.spawn|torchrun|megatron", "spawned ranks (torch, Megatron, vLLM)"),
+    (r"multiprocessing\.spawn|torchrun|megatron", "spawned ranks (torch, Megatron)"),
     (r"python", "other Python processes"),
 ]
 
@@ -67,11 +69,14 @@ class Sampler(threading.Thread):
                 fields = stat[stat.rfind(")") + 2:].split()
                 cpu = (int(fields[11]) + int(fields[12])) / HZ
                 key = f"{pid}:{fields[19]}"
-                if key not in self.procs:
+                known = self.procs.get(key)
+                # a spawned child names itself later (vLLM's "VLLM::EngineCore"): read it again
+                if known is None or "multiprocessing" in known[0]:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-                    self.procs[key] = [cmd, cpu if self.first else 0.0, cpu]
-                self.procs[key][2] = cpu
+                    known = self.procs.setdefault(key, [cmd, cpu if self.first else 0.0, cpu])
+                    known[0] = cmd
+                known[2] = cpu
             except (OSError, IndexError, ValueError):
                 continue                          # gone between listdir and read
         self.first = False
@@ -101,6 +106,7 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=0.5, help="seconds between samples")
     ap.add_argument("--json", type=Path, help="write the summary here")
     ap.add_argument("--log", type=Path, default=Path("suite-cpu.log"), help="the command's output")
+    ap.add_argument("--procs", type=Path, help="also write every process: command, CPU-s")
     ap.add_argument("command", nargs="*", help="default: the suite on 2 xdist workers")
     args = ap.parse_args()
     cmd = args.command or [str(ROOT / ".venv/bin/python"), "-m", "pytest", "-n", "2",
@@ -132,6 +138,10 @@ def main() -> int:
         print(f"  {s:8.0f} s      {what}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.procs:
+        rows = sorted(((round(last - before, 2), cmd[:400]) for key, (cmd, before, last)
+                       in sampler.procs.items()), reverse=True)
+        args.procs.write_text(json.dumps(rows, indent=0) + "\n")
     return rc
 
 
