@@ -73,7 +73,7 @@ class Sampler(threading.Thread):
                 # a spawned child names itself later (vLLM's "VLLM::EngineCore"): read it again
                 if known is None or "multiprocessing" in known[0]:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
                     known = self.procs.setdefault(key, [cmd, cpu if self.first else 0.0, cpu])
                     known[0] = cmd
                 known[2] = cpu
