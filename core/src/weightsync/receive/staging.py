@@ -45,7 +45,8 @@ def build_receiver(ref: Mapping[str, Any], components: Any) -> TransportReceiver
 def unique_names(payload: Payload) -> list[str]:
     """The payload's tensor names in header order; a name twice is refused."""
     names = [s.name for s in payload.specs]
-    if dup := next((n for n in names if names.count(n) > 1), None):
+    if len(set(names)) != len(names):                 # the quadratic search only on a refusal
+        dup = next(n for n in names if names.count(n) > 1)
         raise PayloadError(f"bucket {payload.index} names tensor {dup!r} twice; a tensor is sent "
                            f"once per round")
     return names
