@@ -21,12 +21,10 @@ pytest.importorskip("nixl._api", reason="NIXL is not installed: install torch fi
 
 from weightsync import WeightSync  # noqa: E402
 from weightsync.testing import perturb, sample_state_dict, write_weights_only_model  # noqa: E402
+from weightsync.testing.waiting import wait_for  # noqa: E402
 from weightsync_reference.processes import EngineProcess, start_all  # noqa: E402
 
 from weightsync_nixl.sending import NixlTransport  # noqa: E402
-from weightsync_nixl.testing import until  # noqa: E402
-
-
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +113,8 @@ def test_an_engine_stalled_past_the_deadline_is_dropped_and_recovers_by_itself(
     assert stuck.status == "failed" and "engine1" in report.summary(), report.summary()
     assert "within 3s" in str(stuck.error) or "timed out" in str(stuck.error), stuck.error
     os.kill(b.proc.pid, signal.SIGCONT)
-    until(lambda: settled(b, v), "the stalled engine did not abort its round and resume at "
-                                 "its version (its lease lapses)")
+    wait_for(lambda: settled(b, v), 30, "the stalled engine to abort its round and resume at "
+                                        "its version (its lease lapses)")
     assert b.holds(sd)
 
 
@@ -136,8 +134,8 @@ def test_the_trainer_killed_mid_transfer_leaves_every_engine_whole(
                 proc.kill()
                 proc.wait()
     for e in engines:
-        until(lambda: settled(e, held[e.name]), f"{e.name} did not abort the dead trainer's "
-                                                f"round (lease) and stay at its version")
+        wait_for(lambda: settled(e, held[e.name]), 30, f"{e.name} to abort the dead trainer's "
+                                                       f"round (lease) and stay at its version")
         assert e.holds(weights[e.name])
     text = "".join((logs / f"engine{i}.log").read_text() for i in range(2))
     assert "lease lapsed" in text

@@ -20,10 +20,11 @@ from weightsync.config import EngineSpec  # noqa: E402
 from weightsync.fleets.peer import new_token  # noqa: E402
 from weightsync.plugins import load_components  # noqa: E402
 from weightsync.testing import perturb, sample_state_dict, write_weights_only_model  # noqa: E402
+from weightsync.testing.waiting import wait_for  # noqa: E402
 from weightsync_reference.adapter import ReferenceAdapter  # noqa: E402
 from weightsync_reference.processes import EngineProcess, start_all  # noqa: E402
 
-from weightsync_nixl.testing import anchor, until  # noqa: E402
+from weightsync_nixl.testing import anchor  # noqa: E402
 
 HOSTING = ["--share-source", "nixl"]
 ENV = {"WEIGHTSYNC_NIXL_PEER_TIMEOUT": "10", "WEIGHTSYNC_NIXL_PEER_BUCKET_BYTES": str(64 << 10)}
@@ -60,10 +61,6 @@ def config(engines: list[EngineProcess], shape: str = "chain", encoding: str = "
             "sync": {"progress": "off", "deadline": 60, "failure_policy": "continue"}}
 
 
-
-
-
-
 def adapter(e: EngineProcess) -> ReferenceAdapter:
     return ReferenceAdapter(engine=EngineSpec(**e.spec()))
 
@@ -92,8 +89,8 @@ def test_a_restarted_member_reads_the_version_from_a_members_registered_memory(
         assert served["source"] == "nixl" and served["hosting"]["buckets"] > 1, served
         assert served["served_buckets"] == 0, served          # not one bucket over HTTP
         # the joiner's "read" notifications reach the peer after its pull returned
-        until(lambda: peer.health()["peer"]["hosting"]["reads"] == served["hosting"]["buckets"],
-              "the peer counts every bucket read one-sided")
+        wait_for(lambda: peer.health()["peer"]["hosting"]["reads"] == served["hosting"]["buckets"],
+                 30, "the peer to count every bucket read one-sided")
         for e in fleet:
             assert health[e.name]["version"] == 3 and e.holds(sd), e.name
         # the next commit withdraws what the peer published: it serves no stale version
@@ -129,8 +126,8 @@ def test_a_share_of_a_version_the_member_moved_on_from_fails_cleanly(
         assert joiner.holds(sd2)
         buckets = host.health()["peer"]["hosting"]["buckets"]
         assert buckets > 1
-        until(lambda: host.health()["peer"]["hosting"]["reads"] == buckets,
-              "the host counts every bucket read one-sided")
+        wait_for(lambda: host.health()["peer"]["hosting"]["reads"] == buckets, 30,
+                 "the host to count every bucket read one-sided")
     finally:
         a.close()
         j.close()

@@ -53,8 +53,6 @@ def joiner(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) ->
         yield e
 
 
-
-
 def pull(joiner: EngineProcess, share: dict[str, Any], weights: dict[str, Any]) -> int:
     adapter = ReferenceAdapter(engine=EngineSpec(**joiner.spec()))
     try:

@@ -1,15 +1,14 @@
 """Test helpers: a peer host (`python -m weightsync_nixl.serve`) in a child process, the UCX
-environment that keeps NIXL on loopback TCP where no RDMA device exists, the trainer's digests a
-peer join is anchored by, and a bounded wait on another process's state."""
+environment that keeps NIXL on loopback TCP where no RDMA device exists, and the trainer's digests
+a peer join is anchored by."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import requests
 
@@ -27,15 +26,6 @@ def anchor(weights: Mapping[str, Any], version: int) -> dict[str, Any]:
     groups = [names[i: i + 4] for i in range(0, len(names), 4)]
     return {"version": version, "buckets": [[g, digest_tensors([(n, weights[n]) for n in g])]
                                             for g in groups]}
-
-
-def until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Wait (bounded) until `cond()` holds; AssertionError saying `what` otherwise."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout}s")
-        time.sleep(0.05)
 
 
 class PeerProcess:
