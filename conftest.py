@@ -18,11 +18,16 @@ The units come from `pytest_xdist_make_scheduler` below, not from `xdist_group` 
 pytest 9.2 and pytest-xdist 3.8, `--dist loadgroup` ignores the marks (xdist tags a test's
 node id with its group, which pytest 9.2 no longer lets it change), and the suite then ran
 test by test on every worker with no group kept together. Without xdist this file does
-nothing."""
+nothing.
+
+Every pytest process (each worker, or the one process without xdist) also runs a fork server
+(`weightsync_reference.forkserver`): a reference engine's start forks from a process that has
+imported torch and weightsync already, instead of spending about 3 s of CPU on imports, and the
+suite starts about 300 of them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +92,16 @@ def make_scheduler(config: pytest.Config, log: Any, root: Path = ROOT,
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return make_scheduler(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> Iterator[str | None]:
+    """A fork server for this pytest process and the processes it starts (None: not running, as
+    in an environment without the reference engine; starts then take fresh processes)."""
+    try:
+        from weightsync_reference.forkserver import serving
+    except ImportError:
+        yield None
+        return
+    with serving() as path:
+        yield path

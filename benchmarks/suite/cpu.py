@@ -28,6 +28,7 @@ HZ = os.sysconf("SC_CLK_TCK")
 KINDS = [
     (r"VLLM::|vllm\.entrypoints", "vLLM server (API, engine core, worker)"),
     (r"-m weightsync serve", "reference engine (weightsync serve)"),
+    (r"weightsync_reference\.forkserver", "reference engines forked by the suite's fork servers"),
     (r"-m weightsync demo", "RL demo (trainer side)"),
     (r"ray::|raylet|gcs_server|dashboard|ray/_private|ray/autoscaler", "Ray"),
     (r"weightsync-fresh-|-m build\b|hatchling|twine", "packaging tests: builds, fresh venvs"),

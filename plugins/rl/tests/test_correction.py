@@ -5,7 +5,9 @@ async loop (a reference engine process) whose off-policy steps report them."""
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,6 +53,31 @@ def test_each_correction_weighs_and_counts_as_it_says() -> None:
         grpo.correction(prox, batch, "clip")
 
 
+def rollouts_before_pushes(sync: WeightSync, sample: Any, steps: int) -> Any:
+    """Hold the loop's k-th push until the rollouts it requested before it (k + 1 of them, the
+    last push k) came back, so every later step trains on samples exactly one version old: on a
+    loaded machine the engine may otherwise serve them after the swap, on the new version."""
+    done, cond, pushes = [0], threading.Condition(), [0]
+    push = sync.push
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        try:
+            return sample(*args, **kw)
+        finally:
+            with cond:
+                done[0] += 1
+                cond.notify_all()
+
+    def held(*args: Any, **kw: Any) -> Any:
+        pushes[0] += 1
+        need = min(pushes[0] + 1, steps)
+        with cond:
+            assert cond.wait_for(lambda: done[0] >= need, 120), f"rollout {need} never came"
+        return push(*args, **kw)
+    sync.push = held  # type: ignore[method-assign]
+    return counted
+
+
 def test_an_async_loop_reports_what_its_correction_cut(tmp_path: Path) -> None:
     """One step off-policy: the first step trains on its own version (nothing cut, KL 0 up to
     float noise); the later ones on samples a version old, where `token_mask` at a cap of 1.02
@@ -64,7 +91,8 @@ def test_an_async_loop_reports_what_its_correction_cut(tmp_path: Path) -> None:
             model = load_trainer_model(tmp_path / "m")
             # weight decay moves the weights every step, even one whose advantages are all 0
             opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
-            loop = RLLoop(model, opt, sync, client.sample, CountingTask(seed=1),
+            sampler = rollouts_before_pushes(sync, client.sample, steps=3)
+            loop = RLLoop(model, opt, sync, sampler, CountingTask(seed=1),
                           SamplingParams(n=4, max_new_tokens=6, seed=1), prompts_per_step=2,
                           mode="async", epochs=1, correction="token_mask", correction_cap=1.02)
             stats = list(loop.run(steps=3))

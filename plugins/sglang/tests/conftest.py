@@ -18,6 +18,11 @@ from safetensors.torch import load
 from weightsync.net.server import free_port
 from weightsync.testing.sample import sample_state_dict, write_weights_only_model
 
+try:            # forked from the suite's fork server where one runs (weightsync-reference's)
+    from weightsync_reference.forkserver import popen
+except ImportError:
+    popen = subprocess.Popen  # type: ignore[assignment]
+
 HERE = Path(__file__).parent
 STANDIN = HERE / "standin" / "sglang_standin.py"
 PLUGIN = HERE.parent
@@ -47,7 +52,7 @@ class StandIn:
         if deterministic:
             cmd += ["--enable-deterministic-inference"]
         self._log = open(log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

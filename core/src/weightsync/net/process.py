@@ -37,15 +37,17 @@ class ServerProcess:
         self._stopped = True
 
     def launch(self, argv: list[str], env: dict[str, str] | None = None,
-               preexec_fn: Callable[[], None] | None = None) -> None:
+               preexec_fn: Callable[[], None] | None = None,
+               spawn: Callable[..., subprocess.Popen] = subprocess.Popen) -> None:
+        """Start `argv`; `spawn` is what starts it (Popen's arguments; a test's fork server)."""
         self.stop()                            # a restart: the last run's group and log
         out: int | IO[bytes] = subprocess.DEVNULL
         if self.log is not None:
             self._fh = open(self.log, "ab")     # noqa: SIM115 - open for the child's lifetime
             out = self._fh
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
-                                     preexec_fn=preexec_fn, start_new_session=True)
+        self.proc = spawn(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **(env or {})}, preexec_fn=preexec_fn,
+                          start_new_session=True)
         self._stopped = False
 
     def _see_log(self, lines: int = 12) -> str:

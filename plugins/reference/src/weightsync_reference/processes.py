@@ -16,6 +16,7 @@ import torch
 
 from weightsync.net.process import ServerProcess
 from weightsync.net.server import free_port
+from weightsync_reference.forkserver import popen
 
 __all__ = ["EngineProcess", "running", "start_all"]
 
@@ -73,7 +74,7 @@ class EngineProcess:
         cmd += self.extra_args
         if self.api_key:
             cmd += ["--api-key", self.api_key]
-        self.server.launch(cmd, self.env)
+        self.server.launch(cmd, self.env, spawn=popen)     # forked where a test runs a fork server
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> "EngineProcess":
@@ -134,7 +135,6 @@ def start_all(engines: list[EngineProcess], timeout: float = 60.0) -> list[Engin
             e.stop()
         raise
     return engines
-
 
 
 @contextmanager

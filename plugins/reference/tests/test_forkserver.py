@@ -1,0 +1,162 @@
+"""The fork server (weightsync_reference.forkserver): a start it forks runs as a fresh interpreter
+would (argv, environment, directory, streams, session, exit status, signals), a start it cannot
+run that way gets a fresh process, and bad requests or a dead fork server lose no start."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from weightsync.testing import sample_state_dict, write_weights_only_model
+from weightsync.testing.waiting import wait_for
+from weightsync_reference.forkserver import ENV, ForkedProcess, popen, serving
+from weightsync_reference.processes import EngineProcess
+
+PROBE = '''
+import json, os, random, signal, sys
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+                  "probe": os.environ.get("PROBE"), "session": os.getsid(0) == os.getpid(),
+                  "stdin": sys.stdin.read(), "random": random.random()}), flush=True)
+how = os.environ.get("EXIT", "0")
+if how == "raise":
+    raise RuntimeError("boom from the probe")
+if how == "pause":
+    signal.pause()
+sys.exit(int(how))
+'''
+
+
+@pytest.fixture(scope="module")
+def forks():
+    with serving() as path:
+        assert path is not None, "the fork server did not come up"
+        yield path
+
+
+def start(tmp: Path, name: str, spawn=popen, argv=None, **env: str) -> tuple[subprocess.Popen, Path]:
+    """The probe (or `argv`) with its output in tmp/name.log, started by `spawn`."""
+    script = tmp / "probe.py"
+    script.write_text(PROBE)
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = spawn(argv or [sys.executable, str(script), "a b", "--c"], stdout=out,
+                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(tmp),
+                     env={**os.environ, **env}, start_new_session=True)
+    return proc, log
+
+
+def report(log: Path) -> dict:
+    return json.loads(log.read_text().splitlines()[0])
+
+
+def test_a_forked_start_runs_as_a_fresh_interpreter_would(forks, tmp_path):
+    forked, flog = start(tmp_path, "forked", PROBE="x")
+    fresh, plog = start(tmp_path, "fresh", spawn=subprocess.Popen, PROBE="x")
+    again, alog = start(tmp_path, "again", PROBE="x")
+    assert type(forked) is ForkedProcess and type(fresh) is subprocess.Popen
+    assert forked.wait(60) == fresh.wait(60) == again.wait(60) == 0
+    got, want = report(flog), report(plog)
+    assert got.pop("random") != report(alog)["random"]      # each fork reseeds
+    want.pop("random")
+    assert got == want and got["argv"][1:] == ["a b", "--c"] and got["session"], got
+    m = [sys.executable, "-m", "json.tool", "--sort-keys", str(tmp_path / "in.json")]
+    (tmp_path / "in.json").write_text('{"b": 1, "a": 2}')
+    forked, flog = start(tmp_path, "m-forked", argv=m)
+    fresh, plog = start(tmp_path, "m-fresh", spawn=subprocess.Popen, argv=m)
+    assert type(forked) is ForkedProcess and forked.wait(60) == fresh.wait(60) == 0
+    assert flog.read_text() == plog.read_text() == '{\n    "a": 2,\n    "b": 1\n}\n'
+
+
+@pytest.mark.parametrize("how, code", [("3", 3), ("300", 300 & 0xFF), ("raise", 1)])
+def test_exit_statuses_are_a_fresh_interpreters(forks, tmp_path, how, code):
+    forked, flog = start(tmp_path, "forked", EXIT=how)
+    fresh, plog = start(tmp_path, "fresh", spawn=subprocess.Popen, EXIT=how)
+    assert type(forked) is ForkedProcess
+    assert forked.wait(60) == fresh.wait(60) == code
+    if how == "raise":
+        assert "RuntimeError: boom from the probe" in flog.read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_signals_reach_the_fork_and_its_status_says_which(forks, tmp_path, sig):
+    forked, log = start(tmp_path, "forked", EXIT="pause")
+    assert type(forked) is ForkedProcess
+    wait_for(lambda: log.read_text(), 60, "the probe's report")
+    assert forked.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        forked.wait(0.2)
+    os.killpg(forked.pid, sig)                    # its own session: its group is its pid
+    assert forked.wait(60) == -sig and forked.poll() == -sig
+
+
+@pytest.mark.parametrize("case", ["option", "interpreter", "import-time setting", "pipe",
+                                  "no new session", "no fork server"])
+def test_a_start_it_cannot_run_as_a_fresh_one_gets_a_fresh_process(forks, tmp_path, monkeypatch,
+                                                                     case):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    argv, kw = [sys.executable, str(script)], {"stdin": subprocess.DEVNULL, "start_new_session": True}
+    if case == "option":
+        argv = [sys.executable, "-u", str(script)]
+    elif case == "interpreter":
+        os.symlink(sys.executable, tmp_path / "python")    # the same binary, another path
+        argv = [str(tmp_path / "python"), str(script)]
+    elif case == "import-time setting":
+        kw["env"] = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1) + "0"}
+    elif case == "no new session":
+        kw["start_new_session"] = False
+    elif case == "no fork server":
+        monkeypatch.setenv(ENV, str(tmp_path / "nothing-listens-here"))
+    kw["stdout"] = subprocess.PIPE if case == "pipe" else subprocess.DEVNULL
+    proc = popen(argv, **kw)
+    assert type(proc) is subprocess.Popen, case
+    assert proc.wait(60) == 0
+    if proc.stdout is not None:
+        assert report_line(proc.stdout.read())["name"] == "__main__"
+        proc.stdout.close()
+
+
+def report_line(out: bytes) -> dict:
+    return json.loads(out.decode().splitlines()[0])
+
+
+def test_bad_requests_leave_it_serving(forks, tmp_path):
+    for junk in [b"", b"\x00\x00", b"\x00\x00\x00\x05{not", b"\xff\xff\xff\xff" + b"x" * 64,
+                 b"\x00\x00\x00\x02{}"]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(forks)
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(30)
+            assert s.recv(4096) == b"", junk          # closed, nothing forked
+    forked, log = start(tmp_path, "after")
+    assert type(forked) is ForkedProcess and forked.wait(60) == 0 and report(log)["argv"]
+
+
+def test_a_start_outlives_a_dead_fork_server(tmp_path):
+    with serving() as path:
+        assert path is not None
+        forked, log = start(tmp_path, "orphan", EXIT="pause")
+        assert type(forked) is ForkedProcess
+        wait_for(lambda: log.read_text(), 60, "the probe's report")
+        server = int(Path(f"/proc/{forked.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(server, signal.SIGKILL)
+        assert forked.poll() is None                 # the fork is alive without its server
+        os.kill(forked.pid, signal.SIGTERM)
+        assert forked.wait(60) == 255                # ended; its status died with the server
+
+
+def test_an_engine_start_forks_and_serves_bit_exact(forks, tmp_path):
+    sd = sample_state_dict()
+    with EngineProcess(write_weights_only_model(tmp_path / "m", sd), log=tmp_path / "e.log") as e:
+        assert type(e.proc) is ForkedProcess and e.holds(sd)
+        e.kill()
+        assert e.proc.returncode == -signal.SIGKILL
+        e.start()                                    # a restart on the same port, forked again
+        assert type(e.proc) is ForkedProcess and e.health()["version"] == 0 and e.holds(sd)
+    assert e.proc.returncode == 0                    # SIGTERM: the engine's clean stop
