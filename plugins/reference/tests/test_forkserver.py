@@ -134,6 +134,14 @@ def test_bad_requests_leave_it_serving(forks, tmp_path):
             s.shutdown(socket.SHUT_WR)
             s.settimeout(30)
             assert s.recv(4096) == b"", junk          # closed, nothing forked
+    for body in [b"[]", b'{"argv": "python", "env": {}, "cwd": "/"}',
+                 b'{"argv": ["python"], "env": {"A": 1}, "cwd": "/"}', b'{"argv": [], "env": {}}']:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, open(os.devnull, "rb") as null:
+            s.connect(forks)                      # well framed, with its three fds, wrong shape
+            socket.send_fds(s, [len(body).to_bytes(4, "big") + body], [null.fileno()] * 3)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(30)
+            assert s.recv(4096) == b"", body
     forked, log = start(tmp_path, "after")
     assert type(forked) is ForkedProcess and forked.wait(60) == 0 and report(log)["argv"]
 

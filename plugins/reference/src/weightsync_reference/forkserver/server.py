@@ -132,11 +132,23 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
             body += more
         if len(fds) != 3:
             raise ValueError(f"{len(fds)} file descriptors, not 3")
-        return json.loads(body[HEADER.size:]), list(fds)
+        request = json.loads(body[HEADER.size:])
+        if not (isinstance(request, dict) and _strings(request.get("argv"))
+                and isinstance(request.get("env"), dict) and _strings(list(request["env"].items()))
+                and isinstance(request.get("cwd"), str)):
+            raise ValueError("a request is {argv: [str], env: {str: str}, cwd: str}")
+        return request, list(fds)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+
+
+def _strings(items: Any) -> bool:
+    """Whether `items` is a list of strings (or of pairs of strings)."""
+    return isinstance(items, list) and all(
+        isinstance(i, str) or (isinstance(i, tuple) and all(isinstance(x, str) for x in i))
+        for i in items)
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> None:
