@@ -159,6 +159,48 @@ def test_a_start_outlives_a_dead_fork_server(tmp_path):
         assert forked.wait(60) == 255                # ended; its status died with the server
 
 
+def test_a_start_whose_client_gave_up_does_not_run(tmp_path):
+    """The client hung up before the fork server answered (it timed out and may start the
+    command afresh): the fork is killed, not left running beside the client's own start."""
+    with serving() as path:
+        assert path is not None
+        first, log = start(tmp_path, "first", EXIT="pause")
+        try:
+            wait_for(lambda: log.read_text(), 60, "the probe's report")
+            server = _ppid(str(first.pid))
+            assert server is not None
+            os.kill(server, signal.SIGSTOP)         # the request waits in the socket's queue
+            try:
+                body = json.dumps({"argv": [sys.executable, str(tmp_path / "probe.py")],
+                                   "env": {**os.environ, "EXIT": "pause"},
+                                   "cwd": str(tmp_path)}).encode()
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, \
+                        open(os.devnull, "r+b") as null:
+                    s.connect(path)
+                    socket.send_fds(s, [len(body).to_bytes(4, "big") + body], [null.fileno()] * 3)
+            finally:
+                os.kill(server, signal.SIGCONT)
+            # connections are served in order: once a later start is answered, the late one forked
+            later, _ = start(tmp_path, "later")
+            assert type(later) is ForkedProcess and later.wait(60) == 0
+
+            def late() -> list[str]:
+                return [p for p in os.listdir("/proc") if p.isdigit() and p != str(first.pid)
+                        and _ppid(p) == server]
+            wait_for(lambda: not late(), 60, "the late fork to be killed")
+            assert first.poll() is None             # the other start runs on
+        finally:
+            first.kill()
+        assert first.wait(60) == -signal.SIGKILL
+
+
+def _ppid(pid: str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def test_an_engine_start_forks_and_serves_bit_exact(forks, tmp_path):
     sd = sample_state_dict()
     with EngineProcess(write_weights_only_model(tmp_path / "m", sd), log=tmp_path / "e.log") as e:

@@ -151,9 +151,13 @@ def _strings(items: Any) -> bool:
         for i in items)
 
 
-def _send(conn: socket.socket, message: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):              # the client is gone: nothing to tell
+def _send(conn: socket.socket, message: dict[str, Any]) -> bool:
+    """Whether `message` went out (False: the client is gone)."""
+    try:
         conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        return False
+    return True
 
 
 def _serve(conn: socket.socket, listener: socket.socket, wake: tuple[int, int],
@@ -178,7 +182,8 @@ def _serve(conn: socket.socket, listener: socket.socket, wake: tuple[int, int],
         if pid == 0:
             _child(request, fds, [listener, conn, *children.values()], wake)
         children[pid] = conn
-        _send(conn, {"pid": pid})
+        if not _send(conn, {"pid": pid}):       # the client gave up (and may start it afresh)
+            os.kill(pid, signal.SIGKILL)
     finally:
         for fd in fds:
             os.close(fd)
