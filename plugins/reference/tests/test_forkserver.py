@@ -25,6 +25,11 @@ print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "n
 how = os.environ.get("EXIT", "0")
 if how == "raise":
     raise RuntimeError("boom from the probe")
+if how == "group":                       # a worker in its process group, then wait
+    import subprocess
+    kid = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+    print(json.dumps({"kid": kid.pid}), flush=True)
+    signal.pause()
 if how == "pause":
     signal.pause()
 sys.exit(int(how))
@@ -157,6 +162,21 @@ def test_a_start_outlives_a_dead_fork_server(tmp_path):
         assert forked.poll() is None                 # the fork is alive without its server
         os.kill(forked.pid, signal.SIGTERM)
         assert forked.wait(60) == 255                # ended; its status died with the server
+
+
+def test_what_runs_when_the_fork_server_stops_is_killed_with_its_group(tmp_path):
+    """A start its test left running ends with the fork server's stop (SIGTERM), its process
+    group too; a start that ended before is not touched."""
+    with serving() as path:
+        assert path is not None
+        done, _ = start(tmp_path, "done")
+        assert done.wait(60) == 0
+        left, log = start(tmp_path, "left", EXIT="group")
+        wait_for(lambda: len(log.read_text().splitlines()) > 1, 60, "the probe's worker")
+        kid = json.loads(log.read_text().splitlines()[1])["kid"]
+        assert left.poll() is None and os.path.exists(f"/proc/{kid}")
+    assert left.wait(60) == 255 and not os.path.exists(f"/proc/{left.pid}")
+    wait_for(lambda: not os.path.exists(f"/proc/{kid}"), 60, "the probe's worker to end")
 
 
 def test_a_start_whose_client_gave_up_does_not_run(tmp_path):

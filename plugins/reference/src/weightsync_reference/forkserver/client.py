@@ -159,7 +159,7 @@ def popen(args: list[str], **kw: Any) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def serving(timeout: float = 60.0) -> Iterator[str | None]:
+def serving(timeout: float = 120.0) -> Iterator[str | None]:
     """A fork server for this process and the processes it starts: WEIGHTSYNC_FORKSERVER names its
     socket while the block runs. Yields the socket's path, or None when the fork server did not
     come up within `timeout` (starts then take fresh processes, as without one)."""

@@ -211,7 +211,8 @@ def _die_with_parent() -> None:
 
 
 def main(args: list[str]) -> int:
-    """Preload, then serve on the socket path `args[0]` until SIGTERM."""
+    """Preload, then serve on the socket path `args[0]` until SIGTERM; then kill what it forked
+    that still runs (a test's leftovers), each with its process group."""
     if len(args) != 1:
         print("usage: python -m weightsync_reference.forkserver SOCKET", file=sys.stderr)
         return 2
@@ -251,5 +252,9 @@ def main(args: list[str]) -> int:
                 conn, _ = listener.accept()
                 _serve(conn, listener, wake, children, base_env)
     finally:
+        for pid in children:        # left running by their starters: they end with the server
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(OSError):
+                    kill(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.unlink(args[0])
