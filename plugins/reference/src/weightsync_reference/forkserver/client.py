@@ -192,5 +192,3 @@ def serving(timeout: float = 120.0) -> Iterator[str | None]:
             proc.kill()
             proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
-
-

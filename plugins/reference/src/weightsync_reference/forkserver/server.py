@@ -133,9 +133,9 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if len(fds) != 3:
             raise ValueError(f"{len(fds)} file descriptors, not 3")
         request = json.loads(body[HEADER.size:])
-        if not (isinstance(request, dict) and _strings(request.get("argv"))
-                and isinstance(request.get("env"), dict) and _strings(list(request["env"].items()))
-                and isinstance(request.get("cwd"), str)):
+        env = request.get("env") if isinstance(request, dict) else None
+        if not (isinstance(env, dict) and _strings(request.get("argv"))
+                and _strings([*env, *env.values()]) and isinstance(request.get("cwd"), str)):
             raise ValueError("a request is {argv: [str], env: {str: str}, cwd: str}")
         return request, list(fds)
     except BaseException:
@@ -145,10 +145,8 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 
 def _strings(items: Any) -> bool:
-    """Whether `items` is a list of strings (or of pairs of strings)."""
-    return isinstance(items, list) and all(
-        isinstance(i, str) or (isinstance(i, tuple) and all(isinstance(x, str) for x in i))
-        for i in items)
+    """Whether `items` is a list of strings."""
+    return isinstance(items, list) and all(isinstance(i, str) for i in items)
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> bool:
