@@ -46,7 +46,8 @@ def forks():
 def start(tmp: Path, name: str, spawn=popen, argv=None, **env: str) -> tuple[subprocess.Popen, Path]:
     """The probe (or `argv`) with its output in tmp/name.log, started by `spawn`."""
     script = tmp / "probe.py"
-    script.write_text(PROBE)
+    if not script.exists():         # once: a rewrite could truncate it under a running start
+        script.write_text(PROBE)
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
         proc = spawn(argv or [sys.executable, str(script), "a b", "--c"], stdout=out,
