@@ -15,6 +15,7 @@ import pytest
 from weightsync.testing import sample_state_dict, write_weights_only_model
 from weightsync.testing.waiting import wait_for
 from weightsync_reference.forkserver import ENV, ForkedProcess, popen, serving
+from weightsync_reference.forkserver.server import MODELS
 from weightsync_reference.processes import EngineProcess
 
 PROBE = '''
@@ -76,6 +77,20 @@ def test_a_forked_start_runs_as_a_fresh_interpreter_would(forks, tmp_path):
     fresh, plog = start(tmp_path, "m-fresh", spawn=subprocess.Popen, argv=m)
     assert type(forked) is ForkedProcess and forked.wait(60) == fresh.wait(60) == 0
     assert flog.read_text() == plog.read_text() == '{\n    "a": 2,\n    "b": 1\n}\n'
+
+
+def test_a_fork_holds_the_model_code_an_engine_would_import(forks, tmp_path):
+    """An engine loading a tiny transformers model imports nothing in a fork (a fresh start spent
+    about 6 s of CPU on it); a fresh interpreter imported none of it yet."""
+    script = tmp_path / "loaded.py"
+    script.write_text("import json, sys\nprint(json.dumps(sorted(m for m in sys.modules "
+                      "if m.startswith('transformers.models.') and m.count('.') == 3)))\n")
+    argv = [sys.executable, str(script)]
+    forked, flog = start(tmp_path, "forked", argv=argv)
+    fresh, plog = start(tmp_path, "fresh", spawn=subprocess.Popen, argv=argv)
+    assert type(forked) is ForkedProcess and forked.wait(60) == fresh.wait(60) == 0
+    assert {f"transformers.models.{a}.modeling_{a}" for a in MODELS} <= set(report(flog))
+    assert report(plog) == []
 
 
 @pytest.mark.parametrize("how, code", [("3", 3), ("300", 300 & 0xFF), ("raise", 1)])

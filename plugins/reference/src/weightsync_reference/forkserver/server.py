@@ -25,10 +25,13 @@ import threading
 import traceback
 from typing import Any, NoReturn
 
-__all__ = ["AT_IMPORT", "HEADER", "LAZY", "PRELOAD", "main", "refusal"]
+__all__ = ["AT_IMPORT", "HEADER", "LAZY", "MODELS", "PRELOAD", "main", "refusal"]
 
 # what `python -m weightsync serve` imports (about 3 s of CPU, mostly torch); plugins too
 PRELOAD = ["torch", "safetensors.torch", "requests", "weightsync.cli", "weightsync_reference.server"]
+# ... and what loading a transformers model imports (about 6 s of CPU more): the auto classes and
+# the architectures of `weightsync_reference.models`' tiny models (others load in the child)
+MODELS = ["llama", "qwen2", "qwen3_moe", "mixtral"]
 # settings that libraries read as they load (thread pools, allocators, search paths): a start that
 # changes one gets a fresh interpreter, since the fork server's libraries have loaded already
 AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_", "LD_", "PYTHON", "TORCH",
@@ -202,6 +205,18 @@ def _reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
+def _warm_transformers() -> None:
+    """transformers' auto classes and `MODELS`, where transformers is installed (without it an
+    engine serves weights only); what fails to import here is imported again in the child."""
+    try:
+        importlib.import_module("transformers").AutoModelForCausalLM  # noqa: B018 - a lazy import
+    except ImportError:
+        return
+    for arch in MODELS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+
+
 def _die_with_parent() -> None:
     """SIGTERM when the process that started the fork server is gone (Linux prctl)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -220,6 +235,7 @@ def main(args: list[str]) -> int:
         return 1
     for name in PRELOAD:
         importlib.import_module(name)
+    _warm_transformers()
     for ep in importlib.metadata.entry_points(group="weightsync"):
         with contextlib.suppress(Exception):        # a broken plugin fails in the child, as before
             ep.load()
