@@ -194,6 +194,14 @@ def test_api_key_guards_generation(live: Live) -> None:
     assert r.status_code == 401
 
 
+def test_vllms_sockets_and_rendezvous_file_are_in_the_servers_own_temporary_directory(
+        live: Live) -> None:
+    """vLLM leaves them behind when killed; `stop()` removes this directory (test_start_port)."""
+    names = [p.name for p in Path(live.server.tmp or "/nonexistent").iterdir()]
+    assert any(n.startswith("vllm_dist_") for n in names), names
+    assert sum(len(n) == 36 and n.count("-") == 4 for n in names) >= 2, names   # ZMQ ipc sockets
+
+
 def test_unknown_pause_mode_is_refused_before_calling(live: Live) -> None:
     with pytest.raises(ValueError, match="abort"):
         live.adapter().pause("retract")

@@ -60,3 +60,27 @@ def test_a_port_the_caller_gave_is_not_changed(tmp_path: Path) -> None:
     finally:
         server.stop()
         holder.close()
+
+
+WRITES_TMP = """
+import sys, tempfile
+from pathlib import Path
+Path(tempfile.gettempdir(), "vllm_dist_standin").write_text("rendezvous")   # as vLLM leaves it
+""" + SERVE
+
+
+class _TmpWriter(VllmServer):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", WRITES_TMP, str(self.port)]
+
+
+def test_what_the_server_leaves_in_its_temporary_directory_goes_with_it(tmp_path: Path) -> None:
+    server = _TmpWriter(tmp_path, log=tmp_path / "s.log")
+    try:
+        server.start(timeout=60)
+        assert server.tmp is not None
+        own = Path(server.tmp)
+        assert (own / "vllm_dist_standin").read_text() == "rendezvous"
+    finally:
+        server.stop()
+    assert not own.exists() and server.tmp is None

