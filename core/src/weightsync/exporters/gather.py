@@ -29,12 +29,9 @@ class Rows:
 
     def holders(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
         """(index, rank, first row, end row) of every holder of rows [lo, hi)."""
-        out = []
-        for i, r in enumerate(self.ranks):
-            a, b = max(lo, self.starts[i]), min(hi, self.starts[i + 1])
-            if a < b:
-                out.append((i, r, a, b))
-        return out
+        spans = [(i, r, max(lo, self.starts[i]), min(hi, self.starts[i + 1]))
+                 for i, r in enumerate(self.ranks)]
+        return [(i, r, a, b) for i, r, a, b in spans if a < b]
 
 
 def rows_of(t: Any, me: int) -> Rows | None:
@@ -51,11 +48,7 @@ def rows_of(t: Any, me: int) -> Rows | None:
     coord = hits[0].tolist() if len(hits) else [0] * grid.ndim
     if shard:
         d = shard[0]
-        line = []
-        for j in range(grid.shape[d]):
-            c = list(coord)
-            c[d] = j
-            line.append(int(grid[tuple(c)]))
+        line = [int(grid[(*coord[:d], j, *coord[d + 1:])]) for j in range(grid.shape[d])]
     else:
         line = [int(grid[tuple(coord)])]
     shape = tuple(t.shape) or (1,)
@@ -178,9 +171,8 @@ class _Batch:
         import torch.distributed as dist
 
         def op(t: torch.Tensor, rank: int, tag: int) -> Any:
-            if self.sending:
-                return dist.irecv(t, src=rank, tag=tag)
-            return dist.isend(t, dst=SENDER, tag=tag)
+            return (dist.irecv(t, src=rank, tag=tag) if self.sending
+                    else dist.isend(t, dst=SENDER, tag=tag))
 
         ops, buffers = [], []
         for rank in self.packed:

@@ -62,9 +62,7 @@ class _KeepStrides(TorchFunctionMode):
     the bucket packing copies each tensor once anyway."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func is torch.Tensor.contiguous:
-            return args[0]
-        return func(*args, **(kwargs or {}))
+        return args[0] if func is torch.Tensor.contiguous else func(*args, **(kwargs or {}))
 
 
 def _group(converter: Any, layer_name: str, model: Any) -> Group:

@@ -166,8 +166,7 @@ def untie(items: Iterable[tuple[str, torch.Tensor]],
     drop: set[str] = set()
     for group in by_key.values():
         if len(group) > 1:
-            kept = keep(group) if keep else {group[0][0]}
-            kept = kept or {group[0][0]}
+            kept = (keep(group) if keep else None) or {group[0][0]}
             drop.update(n for n, _ in group if n not in kept)
             if len(kept) > 1:   # names transformers would refuse to save: keep the first only
                 drop.update(sorted(kept, key=[n for n, _ in group].index)[1:])

@@ -97,17 +97,14 @@ class TorchExporter(Exporter):
             return None
         outputs = (layout.checkpoint_outputs(hf, sources) if hf is not None
                    else [identity(s) for s in sources])
-        return Plan(self._renamed(outputs), hf)
+        named = [(x, self._rename(x.name)) for x in outputs]
+        return Plan([x if n == x.name else x.renamed(n) for x, n in named if n is not None], hf)
 
     def _rename(self, name: str) -> str | None:
         """`name` after the `rename` rules; None when a `skip` regex drops it."""
         for pattern, replacement in self.options.rename:
             name = re.sub(pattern, replacement, name)
         return None if any(re.search(p, name) for p in self.options.skip) else name
-
-    def _renamed(self, outputs: list[Output]) -> list[Output]:
-        named = [(x, self._rename(x.name)) for x in outputs]
-        return [x if n == x.name else x.renamed(n) for x, n in named if n is not None]
 
     def names(self, plan: Plan, name_map: NameMap | None = None) -> list[str]:
         """The names `plan` sends after `name_map` (run on meta tensors: no data is touched)."""

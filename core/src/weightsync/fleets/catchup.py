@@ -84,14 +84,12 @@ class CatchUp:
 
     def _peers(self, joiner: str, version: int, tried: set[str]) -> list[Any]:
         roster = self.service.roster
+        adapters = self.service.components.adapters
         with roster.lock:
-            peers = []
-            for m in roster.members.values():
-                if m.reg.name == joiner or m.reg.name in tried or m.reg.role != "engine":
-                    continue
-                cls = self.service.components.adapters.get(m.reg.adapter.kind)
-                if m.state == "live" and m.version == version and issubclass(cls, SharesWeights):
-                    peers.append(m)
+            peers = [m for m in roster.members.values()
+                     if m.reg.name != joiner and m.reg.name not in tried and m.reg.role == "engine"
+                     and m.state == "live" and m.version == version
+                     and issubclass(adapters.get(m.reg.adapter.kind), SharesWeights)]
             return sorted(peers, key=lambda m: (m.serving, m.reg.name))
 
     def _join(self, name: str, version: int) -> None:

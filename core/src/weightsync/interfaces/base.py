@@ -6,12 +6,13 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Mapping, TypeGuard
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from weightsync.wire.bucket import TensorSpec
+from weightsync.wire.frame import is_int
 from weightsync.errors import PayloadError
 
 NameMap = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -30,9 +31,8 @@ class Bounded:
 
     def bounded(self, seconds: float) -> float:
         """`seconds`, cut to what is left before the deadline (at least 0.05 s: fails fast)."""
-        if self.deadline is None:
-            return seconds
-        return max(0.05, min(seconds, self.deadline - time.monotonic()))
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        return seconds if left is None else max(0.05, min(seconds, left))
 
 
 class Component(abc.ABC):
@@ -88,7 +88,7 @@ class Payload:
         if not isinstance(header, Mapping):
             raise bad("not a JSON object")
         index, last, tensors = header.get("index"), header.get("last"), header.get("tensors")
-        if not _is_int(index) or index < 0:
+        if not is_int(index) or index < 0:
             raise bad(f"'index' must be a non-negative integer, not {index!r}")
         if not isinstance(last, bool):
             raise bad(f"'last' must be true or false, not {last!r}")
@@ -102,12 +102,8 @@ class Payload:
         for t in tensors:
             if not (isinstance(t, Mapping) and isinstance(t.get("name"), str)
                     and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
-                    and all(_is_int(d) and d >= 0 for d in t["shape"])):
+                    and all(is_int(d) and d >= 0 for d in t["shape"])):
                 raise bad(f"tensor entry {t!r} needs a string name and dtype and a shape of "
                           f"non-negative integers")
             specs.append(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])))
         return cls(index, last, header["encoding"], header["digest"], specs, body, dict(meta))
-
-
-def _is_int(x: Any) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)

@@ -6,6 +6,7 @@ answer) is *proven*: it waits for its next request under the idle timeout and is
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
@@ -67,10 +68,8 @@ class HeadGuard:
     def _drop(self, handler: Any) -> None:
         """Close the connection under the handler's blocked read: it sees the end and leaves."""
         handler.dropped = True                   # a head cut short is never dispatched
-        try:
+        with contextlib.suppress(OSError):
             handler.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def _reap(self) -> None:
         while not self.stop.wait(min(0.25, self.deadline / 4)):

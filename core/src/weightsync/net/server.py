@@ -221,7 +221,8 @@ class Handler(BaseHTTPRequestHandler):
             self.server.guard.ended(self)  # type: ignore[attr-defined]
             self.rfile.end_head()  # type: ignore[attr-defined]
 
-    def _dispatch(self, method: str) -> None:
+    def _dispatch(self) -> None:
+        method = self.command
         self.server.guard.ended(self)  # type: ignore[attr-defined]
         self.rfile.end_head()  # type: ignore[attr-defined]
         if getattr(self, "dropped", False):
@@ -233,10 +234,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self._length = self.body_length()
             if route is None:
-                self.discard_body()
                 raise HttpError(404, f"no route {method} {url.path}")
             if route.auth and not self.authorized(route.keys):
-                self.discard_body()
                 raise HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
             if route.auth and self.api_key:
                 self.proven = True
@@ -274,17 +273,7 @@ class Handler(BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 self.connection.settimeout(self.timeout)
 
-    def do_GET(self) -> None:  # noqa: N802
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
-
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._dispatch("DELETE")
+    do_GET = do_POST = do_PUT = do_DELETE = _dispatch
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own refusals (bad request line, headers too long) as JSON."""

@@ -110,9 +110,8 @@ class ReceiveSession:
     def streams(self, header: Mapping[str, Any]) -> bool:
         """Whether `apply_stream` can read this body straight into staging: in-band, a streaming
         encoding (raw, cast), xxh3 digests, and CPU tensors in the store."""
-        if not (self.rx.in_band and self.encoding.streams):
-            return False
-        if digest_algo(str(header.get("digest", ""))) != "xxh3":
+        if not (self.rx.in_band and self.encoding.streams
+                and digest_algo(str(header.get("digest", ""))) == "xxh3"):
             return False
         for t in header.get("tensors") or []:
             live = self.store.get(str(t.get("name"))) if isinstance(t, Mapping) else None

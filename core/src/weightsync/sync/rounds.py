@@ -222,9 +222,7 @@ class GroupRound:
 
     def _resume_all(self) -> None:
         """Engines this round paused and did not resume yet (dropped, or the round failed)."""
-        adapters = [a for a in self._all if a.engine_name in self.paused]
-        if adapters:
-            self.calls.each(adapters, self._resume_one)
+        self.calls.each([a for a in self._all if a.engine_name in self.paused], self._resume_one)
 
     def _longest(self, stage: str, seconds: float) -> None:
         """A stage that runs per engine, in parallel: the report shows the longest."""
@@ -343,8 +341,6 @@ class GroupRound:
     def _commit_failed(self, active: list[Adapter], fails: Mapping[str, BaseException]) -> None:
         """An engine that failed at commit is reported with the version it holds now."""
         failed = [a for a in active if a.engine_name in fails]
-        if not failed:
-            return
         statuses, _ = self.calls.each(failed, lambda a: a.health())
         for a in failed:
             o = self.report.engines[a.engine_name]

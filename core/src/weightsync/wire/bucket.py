@@ -34,10 +34,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
+    t = t.detach().cpu().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
     # numpy's stubs give ndarray __buffer__ only on Python 3.12+

@@ -8,7 +8,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard
 
 import torch
 
@@ -131,7 +131,8 @@ def _json_object(raw: bytes | memoryview, what: str, tail: str = "") -> dict[str
     return header
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> TypeGuard[int]:
+    """A JSON integer: Python's bool is an int, a header's `true` is not."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -144,7 +145,7 @@ def header_entries(header: dict[str, Any], data_bytes: int) -> list[tuple[str, t
         try:
             dtype = dtype_from_name(SAFETENSORS_DTYPES[info["dtype"]])
             shape, offsets = list(info["shape"]), list(info["data_offsets"])
-            if len(offsets) != 2 or not all(_is_int(x) for x in shape + offsets):
+            if len(offsets) != 2 or not all(is_int(x) for x in shape + offsets):
                 raise ValueError(f"shape {shape} and data_offsets {offsets} must be integers")
             start, end = offsets
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -16,16 +16,12 @@ import torch
 
 from weightsync.net.bodyserver import REASON_HEADER, BodyServer, Live, fetch
 from weightsync.errors import PayloadError, TransportError
-from weightsync.transports.http.pieces import piece_digest
+from weightsync.transports.http.pieces import Tampered, piece_digest
 from weightsync.receive.staging import read_exact
 
 __all__ = ["FetchSpec", "Pulled", "Tampered", "fetch_body"]
 
 log = logging.getLogger("weightsync.transports.http.member_fetch")
-
-
-class Tampered(PayloadError):
-    """A piece from the parent does not match the trainer's digest for it."""
 
 
 @dataclass

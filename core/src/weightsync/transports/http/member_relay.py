@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import requests
 
 from weightsync.errors import PayloadError
-from weightsync.transports.http.pieces import entry
+from weightsync.transports.http.pieces import Tampered, entry
 from weightsync.wire.frame import frame
 from weightsync.transports.http.landing import Landing, Spans
 from weightsync.receive.staging import read_exact
@@ -33,10 +33,6 @@ RELAY_HEADER = "X-Weightsync-Relay"
 _STAGER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-relay-stage")
 _END = object()
 log = logging.getLogger("weightsync.relay")
-
-
-class Tampered(PayloadError):
-    """A piece that does not match the digest the trainer announced."""
 
 
 class Expectation:
@@ -230,10 +226,7 @@ class Feed:
             if item is None:
                 raise PayloadError("upstream bytes were refused; this child's frame is cut off")
             out = self.piece(*item)
-            if isinstance(out, list):
-                yield from out
-            else:
-                yield out
+            yield from out if isinstance(out, list) else (out,)
 
     def post(self, me: str, index: int, stall: float) -> None:
         """The child answers the trainer itself; a failure here is only logged."""

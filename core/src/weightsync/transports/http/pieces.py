@@ -11,9 +11,14 @@ from typing import Any, Mapping
 
 import torch
 
+from weightsync.errors import PayloadError
 from weightsync.wire.digests import digest_at
 
 PIECE_HEADER = b"weightsync-piece"
+
+
+class Tampered(PayloadError):
+    """A piece that does not match the digest the trainer announced."""
 
 
 def piece_digest(address: int, nbytes: int) -> str:

@@ -141,15 +141,10 @@ class HttpTransport(Transport):
         buf.posts = posts
         if not posts:
             buf.free.set()
-            return
-        left = [len(posts)]
-        lock = threading.Lock()
 
         def one_done(_: Future) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    buf.free.set()
+            if all(f.done() for f in posts):
+                buf.free.set()
         for f in posts:
             f.add_done_callback(one_done)
 

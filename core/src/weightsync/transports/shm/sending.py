@@ -140,14 +140,10 @@ class ShmTransport(Transport):
                                             thread_name_prefix="ws-shm")
         reads = [self._pool.submit(self._announce, seg, a, header) for a in targets]
         seg.readers = {a.engine_name: f for a, f in zip(targets, reads)}
-        left = [len(reads)]
-        lock = threading.Lock()
 
         def read(_: Future) -> None:       # the buffer is free once every engine staged it
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    seg.free.set()
+            if all(f.done() for f in reads):
+                seg.free.set()
         if not reads:
             seg.free.set()
         for f in reads:
