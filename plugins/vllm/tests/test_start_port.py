@@ -57,6 +57,7 @@ def test_a_port_the_caller_gave_is_not_changed(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="Address already in use"):
             server.start(timeout=60)
         assert server.port == port
+        assert server.tmp is None            # a failed start removed its temporary directory
     finally:
         server.stop()
         holder.close()

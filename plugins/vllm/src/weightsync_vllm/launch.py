@@ -165,8 +165,9 @@ class VllmServer:
                 self.server.wait_healthy(self.url + "/health", timeout or limit, poll=0.5,
                                          stall=stall or silent)
                 return self
-            except RuntimeError as e:
+            except (RuntimeError, TimeoutError) as e:
                 if not (self.port_chosen and attempt < 2 and "Address already in use" in str(e)):
+                    self.stop()          # the process is gone already; its TMPDIR goes too
                     raise
                 self.port = free_port()
         return self
