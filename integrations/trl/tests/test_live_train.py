@@ -98,6 +98,8 @@ def test_async_grpo_trainer_trains_over_a_registry_fleet_and_ends_in_sync(
             m.stop()
         wt.destroy()
     assert trainer.state.global_step == 3 and trainer.model_version == 3
+    for server in pair.servers:      # paused as TRL pauses: what was in flight goes on after
+        assert "POST /pause?mode=keep" in Path(server.log).read_text()
     assert [r.version for r in wt.reports] == [1, 2, 3]
     for r in wt.reports:
         assert r.ok and r.verified and sorted(r.engines) == ["vllm-a", "vllm-b"], r.summary()

@@ -53,6 +53,18 @@ def test_bad_config_is_refused_before_any_trainer_exists() -> None:
         use_weightsync({"engines": [{"url": "http://127.0.0.1:1"}], "sync": {"failure_policy": "shrug"}})
 
 
+def test_vllm_is_paused_in_mode_keep_as_trls_own_client_pauses_it() -> None:
+    """An abort hands TRL's async rollout worker a completion cut short, or empty: its
+    `parse_response` then fails the worker, and its `stop()` hangs on the dead child."""
+    from weightsync_trl.session import load_config
+    engines = [{"url": "http://127.0.0.1:1"}]
+    assert load_config({"engines": engines})["sync"]["pause_mode"] == "keep"
+    asked = load_config({"engines": engines, "sync": {"pause_mode": "abort"}})
+    assert asked["sync"]["pause_mode"] == "abort"
+    sglang = {"engines": engines, "adapter": "sglang", "transport": "sglang_tensor"}
+    assert "pause_mode" not in load_config(sglang)["sync"]
+
+
 def test_use_weightsync_swaps_trl_seams_and_undo_restores_them() -> None:
     import trl.generation.vllm_generation as gen
     from trl import GRPOTrainer, RLOOTrainer

@@ -22,6 +22,8 @@ PREFIX = "weightsync/"
 
 def load_config(source: ConfigSource, server_url: str | None = None) -> dict[str, Any]:
     """The sync config as a dict with this integration's defaults: the `vllm` adapter over http,
+    paused in mode `keep` as TRL's own client pauses vLLM (requests in flight go on after the
+    swap: TRL's async rollout worker fails on the empty completion an abort can return),
     engines that fail reported and skipped (`failure_policy: continue`), and, when the config
     names no engines and no fleet, TRL's own server (`vllm_server_base_url`)."""
     if source is None:
@@ -35,6 +37,9 @@ def load_config(source: ConfigSource, server_url: str | None = None) -> dict[str
     data.setdefault("adapter", "vllm")
     sync = dict(data.get("sync") or {})
     sync.setdefault("failure_policy", "continue")
+    adapter = data["adapter"]
+    if (adapter if isinstance(adapter, str) else adapter.get("kind")) == "vllm":
+        sync.setdefault("pause_mode", "keep")
     data["sync"] = sync
     if not data.get("engines") and not data.get("fleet"):
         if server_url is None:
