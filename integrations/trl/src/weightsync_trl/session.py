@@ -38,7 +38,7 @@ def load_config(source: ConfigSource, server_url: str | None = None) -> dict[str
     sync = dict(data.get("sync") or {})
     sync.setdefault("failure_policy", "continue")
     adapter = data["adapter"]
-    if (adapter if isinstance(adapter, str) else adapter.get("kind")) == "vllm":
+    if (adapter.get("kind") if isinstance(adapter, Mapping) else adapter) == "vllm":
         sync.setdefault("pause_mode", "keep")
     data["sync"] = sync
     if not data.get("engines") and not data.get("fleet"):
