@@ -23,7 +23,7 @@ nothing.
 Every pytest process (each worker, or the one process without xdist) also runs a fork server
 (`weightsync_reference.forkserver`): a reference engine's start forks from a process that has
 imported torch and weightsync already, instead of spending about 3 s of CPU on imports, and the
-suite starts about 300 of them."""
+suite starts about 300 of them. Tests do not wait for it: starts before it listens go fresh."""
 
 from __future__ import annotations
 
@@ -103,5 +103,5 @@ def fork_server() -> Iterator[str | None]:
     except ImportError:
         yield None
         return
-    with serving() as path:
+    with serving(wait=False) as path:      # starts go fresh until it listens
         yield path

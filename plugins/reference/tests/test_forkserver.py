@@ -167,6 +167,24 @@ def test_bad_requests_leave_it_serving(forks, tmp_path):
     assert type(forked) is ForkedProcess and forked.wait(60) == 0 and report(log)["argv"]
 
 
+def test_without_waiting_starts_go_fresh_until_it_listens_then_fork(tmp_path):
+    before = os.environ.get(ENV)                      # the session's fork server, if any
+    with serving(wait=False) as path:
+        assert path is not None and os.environ[ENV] == path and not os.path.exists(path)
+        early, elog = start(tmp_path, "early")             # it still imports: a fresh process
+        assert type(early) is subprocess.Popen and early.wait(60) == 0
+        assert report(elog)["name"] == "__main__"
+
+        def listening() -> bool:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                return probe.connect_ex(path) == 0
+        wait_for(listening, 120, "the fork server to listen")
+        later, llog = start(tmp_path, "later")
+        assert type(later) is ForkedProcess and later.wait(60) == 0
+        assert report(llog)["argv"] == report(elog)["argv"]
+    assert os.environ.get(ENV) == before
+
+
 def test_a_start_outlives_a_dead_fork_server(tmp_path):
     with serving() as path:
         assert path is not None

@@ -159,10 +159,12 @@ def popen(args: list[str], **kw: Any) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def serving(timeout: float = 120.0) -> Iterator[str | None]:
+def serving(timeout: float = 120.0, wait: bool = True) -> Iterator[str | None]:
     """A fork server for this process and the processes it starts: WEIGHTSYNC_FORKSERVER names its
     socket while the block runs. Yields the socket's path, or None when the fork server did not
-    come up within `timeout` (starts then take fresh processes, as without one)."""
+    come up within `timeout` (starts then take fresh processes, as without one). `wait=False`
+    yields the path at once, while the fork server still imports: starts before it listens take
+    fresh processes (a test session does not wait about 10 s of CPU for it)."""
     tmp = tempfile.mkdtemp(prefix="weightsync-fork-")
     path = os.path.join(tmp, "socket")
     with open(os.path.join(tmp, "forkserver.log"), "wb") as log:
@@ -171,7 +173,7 @@ def serving(timeout: float = 120.0) -> Iterator[str | None]:
     before = os.environ.get(ENV)
     try:
         deadline = time.monotonic() + timeout
-        up = False
+        up = not wait
         while not up and proc.poll() is None and time.monotonic() < deadline:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
                 up = probe.connect_ex(path) == 0
