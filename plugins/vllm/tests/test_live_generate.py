@@ -242,12 +242,14 @@ def test_a_generation_held_over_a_swap_goes_on_with_the_new_weights_kv(served: S
     it the old ones'. "keep_stale_kv" (vLLM's keep alone, asked for by name) goes on over the
     old KV: the tokens after the swap match neither.
 
-    The pause is sent once the first tokens reached the client; on a loaded machine vLLM can
-    finish all `n` tokens before it lands (every token then has the old weights' logprob), so
-    such a try is made again, three times at most."""
+    The pause is sent once the first tokens reached the client, but vLLM's API server sometimes
+    holds a stream's chunks back (measured: 0.4-2 s, then every chunk at once, about one stream
+    in three early in a server's life, loaded or not): the whole generation can be over before
+    the pause lands (every token then has the old weights' logprob). Such a try is made again,
+    eight times at most (three fell short in one run of the suite)."""
     n = 480                                     # max_model_len 512
     at = len(PROMPT) - 1
-    for _ in range(3):
+    for _ in range(8):
         ids, lps, new = _generation_across_a_swap(served, mode, n)
         assert len(ids) == len(lps) == n
         old_lp = served.logprobs(PROMPT + ids)
@@ -255,7 +257,7 @@ def test_a_generation_held_over_a_swap_goes_on_with_the_new_weights_kv(served: S
         k = next((i for i, d in enumerate(old) if d > TOL), n)  # the first token of the new weights
         if k < n - 20:
             break
-    assert 0 < k < n - 20, f"the swap did not land inside the generation in 3 tries (k={k})"
+    assert 0 < k < n - 20, f"the swap did not land inside the generation in 8 tries (k={k})"
     new_lp = Served(new, served.spec).logprobs(PROMPT + ids)
     after = [abs(lps[i] - float(new_lp[at + i, t])) for i, t in enumerate(ids) if i >= k]
     if mode == "keep":
