@@ -85,3 +85,34 @@ def test_what_the_server_leaves_in_its_temporary_directory_goes_with_it(tmp_path
     finally:
         server.stop()
     assert not own.exists() and server.tmp is None
+
+
+WRITES_HEADER = """
+from pathlib import Path
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir   # where torch puts headers
+Path(default_cache_dir(), "precompiled_headers").mkdir(parents=True, exist_ok=True)
+Path(default_cache_dir(), "precompiled_headers", "standin.h.gch").write_text("built once")
+""" + SERVE
+
+
+class _HeaderWriter(VllmServer):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", WRITES_HEADER, str(self.port)]
+
+
+def test_torchs_inductor_cache_outlives_the_servers_temporary_directory(tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """torch builds its precompiled C++ header below the temporary directory (whatever
+    $TORCHINDUCTOR_CACHE_DIR says) when vLLM compiles its logprob ranks: in the server's own
+    TMPDIR that is a link to the shared cache, so the next server finds the header built."""
+    shared = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
+    server = _HeaderWriter(tmp_path, log=tmp_path / "s.log")
+    try:
+        server.start(timeout=60)
+        own = Path(server.tmp or "")
+        assert own.is_dir()
+    finally:
+        server.stop()
+    assert not own.exists()
+    assert (shared / "precompiled_headers" / "standin.h.gch").read_text() == "built once"

@@ -7,12 +7,17 @@ CPU: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script o
 broken), VLLM_SERVER_DEV_MODE=1 (weight-transfer, pause and rpc routes), a fixed KV-cache size and
 eager mode. It runs in its own process group so `stop()` ends the engine core and worker too, and
 with a temporary directory of its own (TMPDIR) that `stop()` removes: vLLM leaves its ZMQ sockets
-and `vllm_dist_*` rendezvous files behind in the temporary directory when it is killed."""
+and `vllm_dist_*` rendezvous files behind in the temporary directory when it is killed. torch's
+inductor cache in that directory is a link to the machine's (`share_inductor_cache`), so servers
+share what vLLM's `torch.compile` of its logprob ranks builds."""
 
 from __future__ import annotations
 
+import getpass
 import importlib.util
 import json
+import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -101,6 +106,26 @@ def build_model_dir(path: str | Path, arch: str = "llama", *, dtype: str = "bflo
     return model
 
 
+def share_inductor_cache(tmp: str) -> None:
+    """Make torch's inductor cache in a server's own TMPDIR `tmp` a link to this machine's
+    (`torchinductor_<user>` in this process's temporary directory, or $TORCHINDUCTOR_CACHE_DIR).
+    torch puts its precompiled C++ header below the temporary directory whatever the variable
+    says, and vLLM compiles its logprob ranks with `torch.compile` even in eager mode: without
+    the link every server built the header again (7 s on a 2-core machine) into a directory
+    that `stop()` removes. A link that cannot be made is skipped."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    name = "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)     # as torch names it
+    shared = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), name)
+    try:
+        os.makedirs(shared, exist_ok=True)
+        os.symlink(os.path.abspath(shared), os.path.join(tmp, name))
+    except OSError:             # not fatal: the server then compiles into its own directory
+        pass
+
+
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` for one model directory."""
 
@@ -155,6 +180,7 @@ class VllmServer:
         model loaded, a minute later) is replaced by another, twice at most."""
         if self.tmp is None and "TMPDIR" not in self.env:
             self.tmp = tempfile.mkdtemp(prefix="weightsync-vllm-")
+            share_inductor_cache(self.tmp)
         env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                **({"TMPDIR": self.tmp} if self.tmp else {}), **self.env}
