@@ -20,6 +20,8 @@ node id with its group, which pytest 9.2 no longer lets it change), and the suit
 test by test on every worker with no group kept together. Without xdist this file does
 nothing.
 
+What a test module sets in os.environ (itself, or a library it imports) is undone when it ends.
+
 Every pytest process (each worker, or the one process without xdist) also runs a fork server
 (`weightsync_reference.forkserver`): a reference engine's start forks from a process that has
 imported torch and weightsync already, instead of spending about 3 s of CPU on imports, and the
@@ -27,6 +29,7 @@ suite starts about 300 of them. Tests do not wait for it: starts before it liste
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,6 +95,23 @@ def make_scheduler(config: pytest.Config, log: Any, root: Path = ROOT,
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return make_scheduler(config, log)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def environment_kept() -> Iterator[None]:
+    """os.environ as it was before each module, once the module is done: what its tests, or the
+    libraries they import, set stays in the module. Importing vLLM (or TRL, which imports it)
+    sets VLLM_*, TORCHINDUCTOR_* and LD_LIBRARY_PATH; the fork server forks only for an
+    environment like its own, so every engine start after such a module went fresh (about 40
+    starts of 3-10 CPU-s each on the serial worker)."""
+    saved = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # pytest's own
+    yield
+    for key in set(os.environ) - set(saved):
+        if not key.startswith("PYTEST_"):
+            del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -287,3 +287,35 @@ def test_xdist_hands_out_the_groups_first(tmp_path: Path) -> None:
     although the two other modules have more tests and come first in collection."""
     order = [m for kind, m, *_ in _run_units(tmp_path, 1) if kind == "run"]
     assert order[:4] in (["test_grp_a"] * 2 + ["test_grp_b"] * 2, ["test_grp_b"] * 2 + ["test_grp_a"] * 2), order
+
+
+def test_what_a_module_sets_in_the_environment_stays_in_the_module(tmp_path: Path) -> None:
+    """conftest.py's `environment_kept`: a module that sets variables (as importing vLLM does:
+    VLLM_*, TORCHINDUCTOR_*, LD_LIBRARY_PATH) or removes one keeps that for its own tests; the
+    next module sees the environment as it was, so the fork server still forks its engines."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('root_conftest', {str(ROOT / 'conftest.py')!r})\n"
+        "conf = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(conf)\n"
+        "environment_kept = conf.environment_kept\n")
+    (tmp_path / "test_env_a.py").write_text(
+        "import os\n"
+        "def test_sets():\n"
+        "    os.environ['VLLM_LOGGING_LEVEL'] = 'ERROR'\n"
+        "    os.environ['KEPT'] = 'changed'\n"
+        "    del os.environ['GONE']\n"
+        "def test_the_module_keeps_it():\n"
+        "    assert os.environ['VLLM_LOGGING_LEVEL'] == 'ERROR' and 'GONE' not in os.environ\n")
+    (tmp_path / "test_env_b.py").write_text(
+        "import os\n"
+        "def test_the_next_module_sees_it_as_it_was():\n"
+        "    assert 'VLLM_LOGGING_LEVEL' not in os.environ\n"
+        "    assert os.environ['KEPT'] == 'before' and os.environ['GONE'] == 'back'\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                        str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**env, "KEPT": "before", "GONE": "back"})
+    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout + r.stderr
