@@ -1,4 +1,5 @@
 import importlib.metadata
+import os
 
 from weightsync import make_plugin_manager
 
@@ -32,3 +33,28 @@ def test_the_plugin_registers_its_launcher_and_sampler() -> None:
     assert rl.samplers(components)["vllm"] is VllmSampler
     sampler = rl.sampler_for(VllmAdapter(), components)
     assert isinstance(sampler, VllmSampler) and isinstance(sampler, rl.Sampler)
+
+
+def test_asking_whether_vllm_imports_leaves_the_environment_as_it_was() -> None:
+    """Importing vLLM sets VLLM_LOGGING_LEVEL, TORCHINDUCTOR_* and more in os.environ; the
+    question `vllm_available()` answers leaves none of it. Asked in a fresh process whose
+    environment has none of what vLLM sets (this one may have imported vLLM already)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    import pytest
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip(reason="vLLM is not installed")
+    code = ("import os, sys, json\nbefore = dict(os.environ)\n"
+            "from weightsync_vllm.launch import vllm_available\nok, why = vllm_available()\n"
+            "after = dict(os.environ)\n"
+            "print(json.dumps([ok, 'vllm' in sys.modules, sorted(k for k in set(before) | set(after)"
+            " if before.get(k) != after.get(k))]))\n")
+    vllms = ("VLLM_", "TORCHINDUCTOR_", "PYTORCH_NVML", "TRITON_", "TILELANG_", "RAY_CLIENT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(vllms)
+           and not (k == "LD_LIBRARY_PATH" and "cv2" in v)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == '[true, true, []]', r.stdout

