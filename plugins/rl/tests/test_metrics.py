@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from weightsync import WeightSync
+from weightsync.testing.waiting import wait_for
 from weightsync_reference.models import build_tiny_model, load_trainer_model
 from weightsync_reference.processes import EngineProcess
 from weightsync_rl import CountingTask, RLLoop
@@ -61,19 +61,9 @@ def test_each_step_goes_to_jsonl_tensorboard_and_wandb(tmp_path: Path, monkeypat
     assert summary["weightsync_rl_reward"] == pytest.approx(rows[-1]["weightsync_rl_reward"])
     assert summary[tag(gap)] == pytest.approx(rows[-1][gap])
     (run,) = Path(tmp_path / "wandb").glob("offline-run-*/run-*.wandb")   # the offline run's log
-    assert _written(run, tag(gap).encode()), run.read_bytes()[:200]
-
-
-def _written(path: Path, key: bytes, timeout: float = 60.0) -> bool:
-    """Whether `key` is in the file by `timeout`: wandb's service process (wandb-core) writes the
-    offline run's records and may still be writing them when `run.finish()` returns (once seen: a
-    file of its 7-byte header only, on a loaded machine)."""
-    deadline = time.monotonic() + timeout
-    while key not in path.read_bytes():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    # wandb's service process (wandb-core) writes the run's records, and may still be writing
+    # them when `run.finish()` returns (once seen: a file of its 7-byte header only, under load)
+    wait_for(lambda: tag(gap).encode() in run.read_bytes(), 60, "the offline run's records")
 
 
 def test_a_missing_extra_is_refused_before_any_step(tmp_path: Path) -> None:
