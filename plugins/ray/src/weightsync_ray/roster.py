@@ -198,12 +198,23 @@ def find_fleet(name: str, namespace: str) -> Any:
                         f"weightsync_ray.start_fleet)") from None
 
 
-def stop_fleet(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE) -> bool:
-    """Kill the fleet actor for good (it is detached: nothing else ends it). False: none."""
+def stop_fleet(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE,
+               timeout: float = 30.0) -> bool:
+    """Kill the fleet actor for good (it is detached: nothing else ends it) and return once Ray
+    no longer finds it by name: `ray.kill` returns before the actor is dead, and a call made
+    meanwhile was still answered by it. False: none. TimeoutError: still there at `timeout`."""
     ray = require_ray()
     try:
         handle = ray.get_actor(name, namespace=namespace)
     except ValueError:
         return False
     ray.kill(handle, no_restart=True)
-    return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return True
+        time.sleep(0.05)
+    raise TimeoutError(f"fleet actor {name!r} (Ray namespace {namespace!r}) was killed but is "
+                       f"still found after {timeout:g}s")
